@@ -1,0 +1,91 @@
+"""``algorithm.oar.*``: OAR's hyper-parameters, typed, with defaults and validation.
+
+verl's base config has no ``algorithm.oar`` node, so users add keys with Hydra's ``+`` prefix:
+
+    python -m verl.trainer.main_ppo algorithm.adv_estimator=oar_g \
+        +algorithm.oar.tau=0.5 +algorithm.oar.outcome=mean +algorithm.oar.saliency=grad_x_input
+
+Every key is optional; a key that is not a field below is refused with the list of valid keys
+(a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+from verl_oar.importance.gradient import GradientConfig
+from verl_oar.reshape import ReshapeConfig
+
+
+@dataclass(frozen=True)
+class OARConfig:
+    """Everything OAR reads from ``algorithm.oar``; defaults follow the paper's best setting."""
+
+    tau: float = 0.5
+    """quantile level in [0, 1] that splits suppressed from amplified tokens (paper: ~0.5 best)"""
+    beta: float = 1.0
+    """amplification strength: the most important token gets weight 1 + beta before renormalising"""
+    floor: float = 0.1
+    """smallest weight a suppressed token can get, before renormalising"""
+    amplify: bool = True
+    """ablation switch: boost tokens above the tau-quantile"""
+    suppress: bool = True
+    """ablation switch: shrink tokens below the tau-quantile"""
+    preserve_mass: bool = True
+    """ablation switch: renormalise so each sequence's summed token advantage equals GRPO's"""
+    outcome: str = "mean"
+    """what "the final answer" is: single (AS-SINGLE), mean (AS-MEAN, default), joint (AS-JOINT)"""
+    objective: str = "noisy_kl"
+    """OAR-G objective: noisy_kl (reference: D(clean || noisy) under embedding noise) or loglik
+    (gradient of the answer log-likelihood itself: noise-free, no clean pass)"""
+    saliency: str = "grad_x_input"
+    """OAR-G saliency: grad_x_input |<dJ/de_t, e_t>| (reference code) or grad_norm ||dJ/de_t||_2"""
+    noise_std: float = 1e-3
+    """std of the Gaussian noise added to reasoning-token embeddings (objective=noisy_kl)"""
+    importance_model: str = "actor"
+    """which model scores importance: actor (the rollout/old policy, default) or ref"""
+    seed: int = 0
+    """seed of the embedding noise; mixed with the step so each step draws fresh noise"""
+
+    def __post_init__(self) -> None:
+        if self.importance_model not in ("actor", "ref"):
+            raise ValueError(
+                f"algorithm.oar.importance_model={self.importance_model!r} is not valid: use 'actor' "
+                "(the policy that produced the rollout, default) or 'ref' (the reference model)."
+            )
+        # Build the sub-configs once so their own validation runs at start-up.
+        self.reshape_config()
+        self.gradient_config()
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OARConfig":
+        """Read ``algorithm.oar`` from verl's ``algorithm`` config (DictConfig or dict)."""
+        raw = (algorithm or {}).get("oar", None) or {}
+        raw = dict(raw.items())
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - valid)
+        if unknown:
+            raise ValueError(
+                f"Unknown key(s) algorithm.oar.{', algorithm.oar.'.join(unknown)}. "
+                f"Valid keys: {', '.join(sorted(valid))} (see README, 'Configuration')."
+            )
+        return cls(**raw)
+
+    def reshape_config(self) -> ReshapeConfig:
+        return ReshapeConfig(
+            tau=self.tau,
+            beta=self.beta,
+            floor=self.floor,
+            amplify=self.amplify,
+            suppress=self.suppress,
+            preserve_mass=self.preserve_mass,
+        )
+
+    def gradient_config(self) -> GradientConfig:
+        return GradientConfig(
+            outcome=self.outcome, objective=self.objective, saliency=self.saliency, noise_std=self.noise_std
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

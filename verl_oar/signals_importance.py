@@ -1,0 +1,78 @@
+"""Signal provider ``token_importance``: OAR-G importance per response token, from the workers.
+
+Runs in the trainer right after the old-log-prob step. It asks the actor worker group (or the
+reference one, ``algorithm.oar.importance_model=ref``) to score every response of the batch; the
+workers write three nested (bs, response_len) fields into TransferQueue:
+
+- ``oar_importance``: float32, OAR-G importance I_t of reasoning tokens, 0 elsewhere;
+- ``oar_reasoning_mask``: int64 0/1, tokens before the final-answer marker (reshaped tokens);
+- ``oar_answer_mask``: int64 0/1, tokens of the final answer (all 0: no answer found).
+"""
+
+from __future__ import annotations
+
+from verl_oar.config import OARConfig
+from verl_oar.signals import register_token_signal
+
+IMPORTANCE_FIELDS = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask")
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+
+
+def validate_importance_config(config) -> None:
+    """Start-up checks: raise with the cause and the fix before any worker is built."""
+    oar = OARConfig.from_algorithm(config.algorithm)
+    actor = config.actor_rollout_ref.actor
+    strategy = actor.strategy
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise ValueError(
+            f"OAR-G importance is implemented for the FSDP engines {SUPPORTED_STRATEGIES}, not "
+            f"actor_rollout_ref.actor.strategy={strategy!r}. Set actor_rollout_ref.actor.strategy=fsdp2 "
+            "(and ref.strategy=fsdp2), or use algorithm.adv_estimator=grpo."
+        )
+    sp = int(actor.get("ulysses_sequence_parallel_size", 1) or 1)
+    if sp > 1:
+        raise ValueError(
+            f"OAR-G importance does not support Ulysses sequence parallelism yet "
+            f"(actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}); set it to 1."
+        )
+    if config.actor_rollout_ref.model.get("use_fused_kernels", False):
+        raise ValueError(
+            "OAR-G importance needs the model's full logits; actor_rollout_ref.model.use_fused_kernels=True "
+            "does not produce them. Set actor_rollout_ref.model.use_fused_kernels=False."
+        )
+    if oar.importance_model == "ref":
+        from verl.trainer.ppo.utils import need_reference_policy
+
+        if not need_reference_policy(config):
+            raise ValueError(
+                "algorithm.oar.importance_model=ref needs a reference model, and this run has none. "
+                "Enable one (actor_rollout_ref.actor.use_kl_loss=True or algorithm.use_kl_in_reward=True) "
+                "or use algorithm.oar.importance_model=actor."
+            )
+
+
+@register_token_signal("token_importance", fields=IMPORTANCE_FIELDS, validate=validate_importance_config)
+def compute_token_importance(trainer, batch, metrics: dict) -> None:
+    """Fill ``IMPORTANCE_FIELDS`` for every sample of ``batch`` (a TransferQueue KVBatchMeta)."""
+    oar = OARConfig.from_algorithm(trainer.config.algorithm)
+    extra = {
+        "oar_config": oar.to_dict(),
+        "oar_step": int(trainer.global_steps),
+        "temperature": trainer.config.actor_rollout_ref.rollout.temperature,
+        "calculate_entropy": False,
+        "compute_loss": False,
+    }
+    use_ref = oar.importance_model == "ref"
+    if use_ref and trainer.ref_in_actor:
+        extra["no_lora_adapter"] = True
+    batch.extra_info.update(extra)
+    try:
+        if use_ref and not trainer.ref_in_actor:
+            output = trainer.ref_policy_wg.compute_ref_token_importance(batch)
+        else:
+            output = trainer.actor_rollout_wg.compute_token_importance(batch)
+    finally:
+        for key in ("oar_config", "oar_step", "no_lora_adapter"):
+            batch.extra_info.pop(key, None)
+    if len(output) != len(batch):
+        raise RuntimeError(f"compute_token_importance returned {len(output)} samples for a batch of {len(batch)}")

@@ -1,0 +1,143 @@
+"""The trainer hook: compute token signals after old-log-probs, hand them to the estimator.
+
+verl extension point: the v1 trainer registry (``verl.trainer.ppo.v1.trainer_base``,
+``register_trainer`` / ``get_trainer_cls``). ``python -m verl.trainer.main_ppo`` looks the trainer up
+by ``trainer.v1.trainer_mode`` (default ``sync``); so that ``algorithm.adv_estimator=oar_g`` works
+with no other flag, the hook replaces the ``sync`` entry with ``OARTrainerSync``, a subclass that
+overrides three methods and calls ``super()`` in each. With any estimator that needs no token
+signal (grpo, gae, ...) it behaves exactly like verl's ``PPOTrainerSync``. The other registered
+modes are wrapped so that an OAR estimator is refused at start-up instead of failing mid-run.
+This registry replacement is verl-oar's one patch of verl; it checks the verl version and that
+the registry still looks as expected (tests/test_trainer_hook_on_cpu.py). Checked against 0.9.1.
+"""
+
+from __future__ import annotations
+
+import time
+
+SUPPORTED_VERL = ("0.9.",)
+
+
+def _estimator_name(config) -> str:
+    est = config.algorithm.adv_estimator
+    return str(getattr(est, "value", est))
+
+
+def check_token_signals_supported(config, trainer_mode: str) -> tuple:
+    """Start-up checks for an estimator that needs token signals; returns its providers.
+
+    Raises ValueError naming the cause and the fix (unsupported trainer mode, bad
+    ``algorithm.oar`` keys, unsupported engine settings).
+    """
+    from verl_oar.signals import needed_signals
+
+    providers = needed_signals(config.algorithm.adv_estimator)
+    if not providers:
+        return ()
+    name = _estimator_name(config)
+    if trainer_mode != "sync":
+        raise ValueError(
+            f"algorithm.adv_estimator={name} needs per-token signals, which verl-oar computes in verl's "
+            f"synchronous v1 trainer only, not trainer.v1.trainer_mode={trainer_mode!r}. "
+            "Set trainer.v1.trainer_mode=sync."
+        )
+    for provider in providers:
+        if provider.validate is not None:
+            provider.validate(config)
+    return providers
+
+
+def install_trainer_hook() -> None:
+    """Point verl's v1 trainer registry at the OAR-aware trainers. Idempotent."""
+    import verl
+
+    if not verl.__version__.startswith(SUPPORTED_VERL):
+        raise RuntimeError(
+            f"verl-oar supports verl {', '.join(v + 'x' for v in SUPPORTED_VERL)}; found verl {verl.__version__}. "
+            "Install verl==0.9.1 or a verl-oar release made for your verl."
+        )
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    registry = getattr(trainer_base, "TRAINER_REGISTRY", None)
+    if not isinstance(registry, dict) or registry.get("sync") not in (PPOTrainerSync, _oar_classes().get("sync")):
+        raise RuntimeError(
+            "verl's v1 trainer registry (verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY['sync']) is not "
+            "what verl-oar expects; this verl is not supported. Install verl==0.9.1."
+        )
+    for mode, cls in list(registry.items()):
+        if getattr(cls, "_verl_oar_hooked", False):
+            continue
+        registry[mode] = _oar_trainer_sync(cls) if mode == "sync" else _guarded(cls, mode)
+
+
+_CLASSES: dict = {}
+
+
+def _oar_classes() -> dict:
+    return _CLASSES
+
+
+def _guarded(cls, mode: str):
+    """``cls`` that refuses token-signal estimators at start-up (they need the sync trainer)."""
+
+    def __init__(self, config, *args, **kwargs):
+        check_token_signals_supported(config, mode)
+        cls.__init__(self, config, *args, **kwargs)
+
+    guarded = type(cls.__name__, (cls,), {"__init__": __init__, "_verl_oar_hooked": True, "__module__": __name__})
+    _CLASSES[mode] = guarded
+    return guarded
+
+
+def _oar_trainer_sync(base):
+    """Build ``OARTrainerSync`` over verl's ``PPOTrainerSync`` (imported lazily: it is heavy)."""
+    import transfer_queue as tq
+
+    from verl_oar.signals import TokenSignals, provide
+
+    class OARTrainerSync(base):
+        """verl's sync trainer, plus token signals for estimators that declare them."""
+
+        _verl_oar_hooked = True
+
+        def __init__(self, config, *args, **kwargs):
+            self._token_signals = check_token_signals_supported(config, "sync")
+            super().__init__(config, *args, **kwargs)
+
+        def _init_resource_pool_mgr(self):
+            super()._init_resource_pool_mgr()
+            if not self._token_signals:
+                return
+            import ray
+            from verl.workers.engine_workers import ActorRolloutRefWorker
+
+            from verl_oar.worker import OARActorRolloutRefWorker
+
+            for role, remote_cls in list(self.role_worker_mapping.items()):
+                if getattr(remote_cls, "__ray_actor_class__", None) is ActorRolloutRefWorker:
+                    self.role_worker_mapping[role] = ray.remote(OARActorRolloutRefWorker)
+
+        def _compute_old_log_prob(self, batch, metrics):
+            batch = super()._compute_old_log_prob(batch, metrics)
+            for provider in self._token_signals:
+                started = time.perf_counter()
+                provider.compute(self, batch, metrics)
+                metrics[f"oar/timing_s/{provider.name}"] = time.perf_counter() - started
+            return batch
+
+        def _compute_advantage(self, batch, metrics):
+            if not self._token_signals:
+                return super()._compute_advantage(batch, metrics)
+            fields = [f for p in self._token_signals for f in p.fields]
+            data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+            padded = data.to_padded_tensor()
+            signals = TokenSignals(tensors={f: padded[f] for f in fields}, step=int(self.global_steps))
+            with provide(signals):
+                batch = super()._compute_advantage(batch, metrics)
+            metrics.update({f"oar/{k}": v for k, v in signals.metrics.items()})
+            return batch
+
+    OARTrainerSync.__module__ = __name__
+    _CLASSES["sync"] = OARTrainerSync
+    return OARTrainerSync
