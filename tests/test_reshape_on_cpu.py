@@ -231,7 +231,7 @@ def test_quantile_is_per_row_with_the_configured_level():
     reasoning[:, 0] = reasoning[:, 1] = True
     cfg = ReshapeConfig(tau=0.3)
     out = importance_to_weights(importance, reasoning, cfg)
-    final, raw, _ = reference_weights(importance, reasoning, cfg, torch.ones(64, dtype=torch.bool))
+    final, _, _ = reference_weights(importance, reasoning, cfg, torch.ones(64, dtype=torch.bool))
     torch.testing.assert_close(out.weights.double(), final, atol=ATOL, rtol=1e-6)
 
 
