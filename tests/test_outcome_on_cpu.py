@@ -51,13 +51,14 @@ def test_against_per_segment_loop(seed):
     mean = outcome_log_probs(logits, segment, 4, "mean")
     phi = answer_log_likelihood(logits, targets, segment, 4)
     for name, value in (("single", single), ("mean", mean), ("phi", phi)):
-        assert value.dtype == torch.float32, name
+        assert value.dtype == torch.float64, name                       # float64 logits stay float64
+        assert outcome_statistic(logits.float(), targets, segment, 4, "mean").dtype == torch.float32
     for s, r in enumerate(ref):
         if r is None:
             continue
-        torch.testing.assert_close(single[s], r[0].float())
-        torch.testing.assert_close(mean[s], r[1].float())
-        torch.testing.assert_close(phi[s], r[2].float())
+        torch.testing.assert_close(single[s], r[0])
+        torch.testing.assert_close(mean[s], r[1])
+        torch.testing.assert_close(phi[s], r[2])
     # the statistic dispatches to the same functions
     torch.testing.assert_close(outcome_statistic(logits, targets, segment, 4, "mean"), mean)
     torch.testing.assert_close(outcome_statistic(logits, targets, segment, 4, "joint"), phi)
@@ -67,7 +68,8 @@ def test_empty_segments_are_uniform_and_zero_never_nan():
     logits, segment, targets = random_positions(0)
     for outcome in ("single", "mean"):
         lp = outcome_log_probs(logits, segment, 4, outcome)
-        torch.testing.assert_close(lp[3], torch.full((VOCAB,), -torch.log(torch.tensor(float(VOCAB)))))
+        torch.testing.assert_close(lp[3], torch.full((VOCAB,), -torch.log(torch.tensor(float(VOCAB))).item(),
+                                                     dtype=lp.dtype))
     assert answer_log_likelihood(logits, targets, segment, 4)[3] == 0.0
     # nothing at all
     empty = torch.zeros(0, VOCAB)
@@ -85,7 +87,7 @@ def test_single_uses_the_first_position_of_each_segment_in_the_given_order():
     shuffled = outcome_log_probs(logits[order], segment[order], 4, "single")
     for s in range(3):
         first = order[(segment[order] == s).nonzero()[0, 0]]
-        torch.testing.assert_close(shuffled[s], torch.log_softmax(logits[first].float(), -1))
+        torch.testing.assert_close(shuffled[s], torch.log_softmax(logits[first], -1))
     # mean and phi do not depend on order
     torch.testing.assert_close(outcome_log_probs(logits[order], segment[order], 4, "mean"),
                                outcome_log_probs(logits, segment, 4, "mean"))

@@ -16,7 +16,8 @@ and the divergence between a clean and a perturbed pass is, for importance I_t:
 * SINGLE / MEAN: D = KL(P_final || P_final^(t))        (>= 0)
 * JOINT:         D = phi - phi^(t)                     (signed; reshaping clamps it at 0)
 
-All results are float32 whatever the logits' dtype. A segment with no predicting position gets the
+All results are float32 whatever the logits' dtype (bf16 and fp16 are upcast), float64 for float64
+logits. A segment with no predicting position gets the
 uniform distribution (log-probs -log V) and phi = 0, so its divergence is exactly 0, never NaN.
 """
 
@@ -43,6 +44,10 @@ def _check_outcome(outcome: str) -> None:
         raise ValueError(f"outcome={outcome!r} is invalid: must be one of {OUTCOMES}")
 
 
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 def _segment_counts(segment: Tensor, num_segments: int) -> Tensor:
     return torch.bincount(segment, minlength=num_segments)[:num_segments]
 
@@ -58,18 +63,18 @@ def outcome_log_probs(logits: Tensor, segment: Tensor, num_segments: int, outcom
             index in ``logits``) or "mean" (log_softmax of the mean logits of the segment).
 
     Returns:
-        (S, V) float32 log-probabilities; -log V everywhere for a segment with no position.
+        (S, V) float32 (float64 for float64 logits) log-probabilities; -log V everywhere for a
+        segment with no position.
     """
     _check_outcome(outcome)
     if outcome == "joint":
         raise ValueError("outcome='joint' has no distribution: use answer_log_likelihood (or outcome_statistic)")
     n, vocab = logits.shape
-    z = logits.float()
+    z = logits.to(_compute_dtype(logits))
     counts = _segment_counts(segment, num_segments)
     if outcome == "mean":
-        summed = torch.zeros(num_segments, vocab, dtype=torch.float32, device=z.device)
-        summed = summed.index_add(0, segment, z)
-        pooled = summed / counts.clamp(min=1).unsqueeze(1).to(torch.float32)
+        summed = torch.zeros(num_segments, vocab, dtype=z.dtype, device=z.device).index_add(0, segment, z)
+        pooled = summed / counts.clamp(min=1).unsqueeze(1).to(z.dtype)
     else:
         first = torch.full((num_segments,), n, dtype=torch.long, device=z.device)
         first = first.scatter_reduce(0, segment, torch.arange(n, device=z.device), reduce="amin")
@@ -88,19 +93,20 @@ def answer_log_likelihood(logits: Tensor, targets: Tensor, segment: Tensor, num_
         num_segments: S.
 
     Returns:
-        (S,) float32; 0 for a segment with no position.
+        (S,) float32 (float64 for float64 logits); 0 for a segment with no position.
     """
-    z = logits.float()
+    z = logits.to(_compute_dtype(logits))
     token_lp = z.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)   # (N,)
-    summed = torch.zeros(num_segments, dtype=torch.float32, device=z.device).index_add(0, segment, token_lp)
-    return summed / _segment_counts(segment, num_segments).clamp(min=1).to(torch.float32)
+    summed = torch.zeros(num_segments, dtype=z.dtype, device=z.device).index_add(0, segment, token_lp)
+    return summed / _segment_counts(segment, num_segments).clamp(min=1).to(z.dtype)
 
 
 def outcome_statistic(
     logits: Tensor, targets: Tensor, segment: Tensor, num_segments: int, outcome: str
 ) -> Tensor:
-    """The outcome of each segment: (S, V) float32 log P_final for "single"/"mean" (see
-    :func:`outcome_log_probs`), (S,) float32 phi for "joint" (see :func:`answer_log_likelihood`).
+    """The outcome of each segment: (S, V) log P_final for "single"/"mean" (see
+    :func:`outcome_log_probs`), (S,) phi for "joint" (see :func:`answer_log_likelihood`); float32,
+    or float64 for float64 logits.
     Shapes of the arguments as in those functions."""
     _check_outcome(outcome)
     if outcome == "joint":
@@ -117,11 +123,12 @@ def outcome_divergence(clean: Tensor, perturbed: Tensor, outcome: str) -> Tensor
         outcome: one of :data:`OUTCOMES`.
 
     Returns:
-        (S,) float32: KL(P_clean || P_perturbed) >= 0 for "single"/"mean" (terms where P_clean is 0
-        count 0); phi_clean - phi_perturbed (signed) for "joint".
+        (S,) float32 (float64 if an input is float64): KL(P_clean || P_perturbed) >= 0 for
+        "single"/"mean" (terms where P_clean is 0 count 0); phi_clean - phi_perturbed (signed) for "joint".
     """
     _check_outcome(outcome)
-    lp, lq = clean.float(), perturbed.float()
+    dtype = torch.promote_types(torch.promote_types(clean.dtype, perturbed.dtype), torch.float32)
+    lp, lq = clean.to(dtype), perturbed.to(dtype)
     if outcome == "joint":
         return lp - lq
     p = lp.exp()
