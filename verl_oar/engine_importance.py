@@ -23,7 +23,7 @@ from tensordict import TensorDict
 
 from verl_oar.answer_span import answer_token_masks
 from verl_oar.config import OARConfig
-from verl_oar.importance.gradient import gradient_importance
+from verl_oar.importance.gradient import gradient_importance_in_forward
 
 # Fields added to the worker's TensorDict so the engine's micro-batching splits them with the rows.
 _REASONING = "oar_reasoning_full"  # (bs, seq_len) nested int64: 1 on reasoning tokens
@@ -148,7 +148,7 @@ def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, gen
             handle.remove()
         return logits.float() / temp
 
-    importance = gradient_importance(
+    importance = gradient_importance_in_forward(
         forward,
         reasoning_mask=reasoning,
         predict_mask=predict,

@@ -18,6 +18,7 @@ adds one provider file and one estimator file; the trainer does not change.
 from __future__ import annotations
 
 import contextvars
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -56,7 +57,7 @@ def register_token_signal(name: str, fields: tuple[str, ...], validate: Callable
 def register_token_estimator(name: str, needs: tuple[str, ...]):
     """Decorator: register an advantage estimator in verl's registry, needing signals ``needs``.
 
-    Idempotent: registering a function of the same module and name again (a module imported twice,
+    Idempotent: registering a function from the same source file and name again (a module imported twice,
     or by file path) keeps the first registration instead of raising like verl's decorator does.
     A *different* function already registered under ``name`` is an error.
     """
@@ -65,7 +66,8 @@ def register_token_estimator(name: str, needs: tuple[str, ...]):
         from verl.trainer.ppo import core_algos
 
         existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
-        fn._verl_oar_id = f"{fn.__module__}.{fn.__qualname__}"
+        # identity by source file, not module name: the same file imported under another name is the same
+        fn._verl_oar_id = f"{os.path.realpath(fn.__code__.co_filename)}:{fn.__qualname__}"
         if existing is None:
             core_algos.register_adv_est(name)(fn)
         elif getattr(existing, "_verl_oar_id", None) != fn._verl_oar_id:

@@ -53,6 +53,8 @@ def compute_oar_g_advantage(
     weights = importance_to_weights(signals["oar_importance"], reasoning, oar.reshape_config(), answer_found=found)
     advantages = reshape_advantages(grpo_adv, weights) * response_mask
     signals.metrics.update(
-        reshape_stats(weights, reasoning, mask, grpo_adv, advantages, oar.reshape_config())
+        reshape_stats(
+            weights, reasoning, mask, grpo_adv, advantages, oar.reshape_config(), importance=signals["oar_importance"]
+        )
     )
     return advantages, advantages

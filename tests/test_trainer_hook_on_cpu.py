@@ -1,0 +1,137 @@
+"""The verl-facing layer without Ray: plugin loading, registries, start-up checks, the estimator."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from _verl_config import compose_ppo_config
+
+
+def test_plugin_loads_through_verls_entry_point_in_a_fresh_process():
+    code = (
+        "import verl\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
+        "from verl_oar import plugin\n"
+        "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
+        "assert 'oar_g' in core_algos.ADV_ESTIMATOR_REGISTRY\n"
+        "assert TRAINER_REGISTRY['sync'].__name__ == 'OARTrainerSync'\n"
+        "assert all(getattr(c, '_verl_oar_hooked', False) for c in TRAINER_REGISTRY.values())\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_trainer_hook_is_the_one_verl_patch_and_still_applies():
+    import verl
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from verl_oar.trainer import SUPPORTED_VERL, install_trainer_hook
+
+    assert verl.__version__.startswith(SUPPORTED_VERL)
+    install_trainer_hook()  # idempotent: a second install changes nothing
+    sync = trainer_base.TRAINER_REGISTRY["sync"]
+    assert issubclass(sync, PPOTrainerSync) and sync is not PPOTrainerSync
+    for name in ("_compute_old_log_prob", "_compute_advantage", "_init_resource_pool_mgr"):
+        assert name in vars(sync), f"OARTrainerSync must override {name}"
+        assert hasattr(PPOTrainerSync, name), f"verl no longer has PPOTrainer.{name}: the hook is stale"
+
+
+def test_estimator_registration_is_idempotent_when_imported_by_file_path():
+    import verl_oar.estimators.oar_g as mod
+    from verl.trainer.ppo import core_algos
+
+    spec = importlib.util.spec_from_file_location("oar_g_again", mod.__file__)
+    again = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(again)  # must not raise ValueError like verl's own decorator would
+    assert core_algos.ADV_ESTIMATOR_REGISTRY["oar_g"] is mod.compute_oar_g_advantage
+
+
+def test_a_different_function_under_an_oar_name_is_refused():
+    from verl_oar.signals import register_token_estimator
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_token_estimator("oar_g", needs=())(lambda **kw: None)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["trainer.v1.trainer_mode=colocate_async"], "trainer_mode=sync"),
+        (["actor_rollout_ref.actor.strategy=megatron"], "strategy=fsdp2"),
+        (["+algorithm.oar.tua=0.5"], r"Unknown key\(s\) algorithm.oar.tua"),
+        (["+algorithm.oar.tau=1.5"], "tau"),
+        (["+algorithm.oar.outcome=median"], "outcome"),
+        (["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=false"], "reference model"),
+        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "ulysses"),
+    ],
+)
+def test_startup_checks_name_cause_and_fix(overrides, match):
+    from verl_oar.trainer import check_token_signals_supported
+
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2", *overrides])
+    with pytest.raises(ValueError, match=match):
+        check_token_signals_supported(config, config.trainer.v1.trainer_mode)
+
+
+def test_startup_check_passes_for_a_supported_config_and_ignores_other_estimators():
+    from verl_oar.trainer import check_token_signals_supported
+
+    ok = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2"])
+    assert [p.name for p in check_token_signals_supported(ok, "sync")] == ["token_importance"]
+    grpo = compose_ppo_config(["algorithm.adv_estimator=grpo", "trainer.v1.trainer_mode=colocate_async"])
+    assert check_token_signals_supported(grpo, "colocate_async") == ()
+
+
+def _grpo_batch(rewards, length=6):
+    bs = len(rewards)
+    token_level_rewards = torch.zeros(bs, length)
+    token_level_rewards[:, -1] = torch.tensor(rewards, dtype=torch.float32)
+    response_mask = torch.ones(bs, length)
+    index = np.array(["a"] * (bs // 2) + ["b"] * (bs - bs // 2), dtype=object)
+    return token_level_rewards, response_mask, index
+
+
+def test_estimator_without_signals_refuses_with_cause_and_fix():
+    from verl_oar.estimators.oar_g import compute_oar_g_advantage
+
+    rewards, mask, index = _grpo_batch([1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(RuntimeError, match="trainer.v1.trainer_mode=sync"):
+        compute_oar_g_advantage(token_level_rewards=rewards, response_mask=mask, index=index, config={})
+
+
+def test_estimator_reshapes_grpo_exactly_where_importance_varies():
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    from verl_oar.estimators.oar_g import compute_oar_g_advantage
+    from verl_oar.signals import TokenSignals, provide
+
+    rewards, mask, index = _grpo_batch([1.0, 0.0, 0.5, 0.0])
+    importance = torch.rand(4, 6)
+    importance[1] = 0.3  # all-equal: falls back to uniform weights
+    reasoning = torch.zeros(4, 6, dtype=torch.long)
+    reasoning[:, :4] = 1
+    answer = torch.zeros(4, 6, dtype=torch.long)
+    answer[:, 4] = 1
+    answer[3] = 0  # no answer found: falls back
+    signals = TokenSignals(
+        tensors={"oar_importance": importance, "oar_reasoning_mask": reasoning, "oar_answer_mask": answer}
+    )
+    with provide(signals):
+        adv, returns = compute_oar_g_advantage(token_level_rewards=rewards, response_mask=mask, index=index, config={})
+    grpo, _ = compute_grpo_outcome_advantage(rewards, mask, index)
+    assert torch.equal(adv, returns)
+    torch.testing.assert_close(adv.sum(dim=1), grpo.sum(dim=1), rtol=1e-5, atol=1e-5)  # mass preserved
+    torch.testing.assert_close(adv[1], grpo[1]) and torch.testing.assert_close(adv[3], grpo[3])
+    for row in (0, 2):
+        assert not torch.allclose(adv[row, :4], grpo[row, :4])  # reasoning reshaped
+        torch.testing.assert_close(adv[row, 4:], grpo[row, 4:])  # answer and later tokens keep weight 1
+        assert torch.all(torch.sign(adv[row]) == torch.sign(grpo[row]))
+    assert signals.metrics["fallback/frac_any"] == pytest.approx(0.5)
