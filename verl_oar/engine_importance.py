@@ -24,6 +24,7 @@ from tensordict import TensorDict
 from verl_oar.answer_span import answer_token_masks
 from verl_oar.config import OARConfig
 from verl_oar.importance.gradient import gradient_importance_in_forward
+from verl_oar.importance.noise import sequence_noise
 
 # Fields added to the worker's TensorDict so the engine's micro-batching splits them with the rows.
 _REASONING = "oar_reasoning_full"  # (bs, seq_len) nested int64: 1 on reasoning tokens
@@ -69,50 +70,46 @@ def add_outcome_masks(data: TensorDict, tokenizer) -> tuple[torch.Tensor, torch.
 
 
 def _layout(micro_batch: TensorDict, output_args: dict, use_remove_padding: bool):
-    """Masks, targets and segment ids in the layout the engine feeds the model.
+    """Functions that move per-sample rows into the layout the engine feeds the model, and back.
 
-    Returns (reasoning, predict, targets, segment, unlayout) where the first four are
-    (rows, cols) tensors and ``unlayout(x)`` maps a (rows, cols) tensor back to a nested
-    (bs, seq_len) tensor.
+    Returns (to_layout, unlayout, targets, segment): ``to_layout(rows, fill)`` maps a list of
+    per-sample (len_i, ...) tensors to (rows, cols, ...); ``unlayout(x)`` maps (rows, cols) back to a
+    nested (bs, seq_len) tensor; ``targets`` (rows, cols) long is the next input id of each position;
+    ``segment`` (rows, cols) long is the sample of each position, -1 on padding.
     """
     input_ids = micro_batch["input_ids"]
     offsets = input_ids.offsets()
     lengths = offsets.diff()
     bs = lengths.numel()
+    ids = list(input_ids.unbind())
     if use_remove_padding:
         pad = int(output_args.get("pad_size", 0))
         nnz = int(offsets[-1])
 
-        def packed(nested, fill):
-            values = nested.values()
-            return torch.cat([values, values.new_full((pad,), fill)]).unsqueeze(0)
-
-        segment = torch.repeat_interleave(torch.arange(bs, device=lengths.device), lengths)
-        segment = packed(torch.nested.nested_tensor_from_jagged(segment, offsets), -1)
-        targets = output_args["input_ids_rmpad_rolled"].unsqueeze(0)
-        reasoning = packed(micro_batch[_REASONING], 0).bool()
-        predict = packed(micro_batch[_PREDICT], 0).bool()
+        def to_layout(rows, fill):
+            flat = torch.cat(list(rows))
+            return torch.cat([flat, flat.new_full((pad, *flat.shape[1:]), fill)]).unsqueeze(0)
 
         def unlayout(x):
             return torch.nested.nested_tensor_from_jagged(x[0, :nnz], offsets)
 
+        targets = output_args["input_ids_rmpad_rolled"].reshape(1, -1)
     else:
-        reasoning = _padded(micro_batch[_REASONING]).bool()
-        predict = _padded(micro_batch[_PREDICT]).bool()
-        ids = _padded(input_ids)
-        targets = torch.zeros_like(ids)
-        targets[:, :-1] = ids[:, 1:]
-        cols = torch.arange(ids.shape[1], device=ids.device)
-        valid = cols.unsqueeze(0) < lengths.unsqueeze(1)
-        segment = torch.where(valid, torch.arange(bs, device=ids.device).unsqueeze(1), -1)
+
+        def to_layout(rows, fill):
+            return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=fill)
 
         def unlayout(x):
             return _nested([x[i, : int(n)] for i, n in enumerate(lengths.tolist())])
 
-    return reasoning, predict, targets, segment, unlayout
+        padded_ids = to_layout(ids, 0)
+        targets = torch.zeros_like(padded_ids)
+        targets[:, :-1] = padded_ids[:, 1:]
+    segment = to_layout([torch.full((int(n),), i, dtype=torch.long) for i, n in enumerate(lengths.tolist())], -1)
+    return to_layout, unlayout, targets, segment.to(targets.device)
 
 
-def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, generator) -> torch.Tensor:
+def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, step: int) -> torch.Tensor:
     """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id, get_device_name
@@ -120,7 +117,14 @@ def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, gen
     micro_batch = micro_batch.to(get_device_id())
     model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
     use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
-    reasoning, predict, targets, segment, unlayout = _layout(micro_batch, output_args, use_rmpad)
+    to_layout, unlayout, targets, segment = _layout(micro_batch, output_args, use_rmpad)
+    reasoning = to_layout(micro_batch[_REASONING].unbind(), 0).bool()
+    predict = to_layout(micro_batch[_PREDICT].unbind(), 0).bool()
+    noise = None
+    if cfg.objective == "noisy_kl":
+        hidden = engine.model_config.hf_config.hidden_size
+        rows = sequence_noise(micro_batch["input_ids"].unbind(), hidden, cfg.seed, step)
+        noise = to_layout(rows, 0.0).to(reasoning.device)
 
     temperature = micro_batch["temperature"]
     if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
@@ -156,7 +160,7 @@ def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, gen
         segment=segment,
         num_segments=int(micro_batch["input_ids"].offsets().numel() - 1),
         cfg=cfg.gradient_config(),
-        generator=generator,
+        noise=noise,
     )
     return unlayout(importance.detach().float().cpu())
 
@@ -197,8 +201,6 @@ def token_importance_on_training_worker(worker, data: TensorDict) -> TensorDict 
     tu.assign_non_tensor(data, sp_size=getattr(engine, "ulysses_sequence_parallel_size", 1))
 
     reasoning, answer = add_outcome_masks(data, worker.model_config.tokenizer)
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(hash((cfg.seed, step, engine.get_data_parallel_rank())) % (2**63))
 
     with engine.eval_mode(), (engine.disable_adapter() if no_lora_adapter else nullcontext()):
         micro_batches, indices = prepare_micro_batches(
@@ -206,7 +208,7 @@ def token_importance_on_training_worker(worker, data: TensorDict) -> TensorDict 
         )
         rows = []
         for micro_batch in micro_batches:
-            rows.extend(_micro_batch_importance(engine, micro_batch, cfg, generator).unbind())
+            rows.extend(_micro_batch_importance(engine, micro_batch, cfg, step).unbind())
     importance = _nested(rows)
     if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
         importance = restore_dynamic_batch(importance, indices)

@@ -93,6 +93,7 @@ def gradient_importance(
     cfg: GradientConfig,
     generator: torch.Generator | None = None,
     clean_logits: Tensor | None = None,
+    noise: Tensor | None = None,
 ) -> Tensor:
     """OAR-G token importance of a batch whose input embeddings the caller computes.
 
@@ -113,7 +114,7 @@ def gradient_importance(
 
     return gradient_importance_in_forward(
         forward, reasoning_mask, predict_mask, targets, segment, num_segments, cfg,
-        generator=generator, clean_logits=clean_logits,
+        generator=generator, clean_logits=clean_logits, noise=noise,
     )
 
 
@@ -127,6 +128,7 @@ def gradient_importance_in_forward(
     cfg: GradientConfig,
     generator: torch.Generator | None = None,
     clean_logits: Tensor | None = None,
+    noise: Tensor | None = None,
 ) -> Tensor:
     """OAR-G token importance of a batch, with the embeddings produced inside the model's forward.
 
@@ -151,6 +153,9 @@ def gradient_importance_in_forward(
             float32, on the generator's device, then cast to e's dtype and device) and zeroes it off
             the reasoning positions; None uses the global RNG of e's device. Unused by ``loglik``.
         clean_logits: optional (B, T, V) logits of the clean pass, reused instead of a second forward.
+        noise: optional (B, T, H) standard-normal draws used instead of ``generator`` (e.g. drawn per
+            sequence by :func:`verl_oar.importance.noise.sequence_noise`, so that importance does not
+            depend on how sequences are batched, packed or split into micro-batches).
 
     Returns:
         (B, T) float32 importance >= 0 on the masks' device; exactly 0 outside ``reasoning_mask``, and
@@ -188,11 +193,16 @@ def gradient_importance_in_forward(
         seen["base"], seen["leaf"] = base, leaf
         if cfg.objective != "noisy_kl":
             return leaf
-        draw_dtype = torch.float64 if base.dtype == torch.float64 else torch.float32
-        draw_device = generator.device if generator is not None else base.device
-        noise = torch.randn(base.shape, generator=generator, device=draw_device, dtype=draw_dtype)
-        noise = (cfg.noise_std * noise).to(device=base.device, dtype=base.dtype)
-        return leaf + noise * reasoning.to(base.device).unsqueeze(-1).to(base.dtype)
+        if noise is not None:
+            if tuple(noise.shape) != tuple(base.shape):
+                raise ValueError(f"noise has shape {tuple(noise.shape)}, expected {tuple(base.shape)}")
+            draws = noise
+        else:
+            draw_dtype = torch.float64 if base.dtype == torch.float64 else torch.float32
+            draw_device = generator.device if generator is not None else base.device
+            draws = torch.randn(base.shape, generator=generator, device=draw_device, dtype=draw_dtype)
+        scaled = (cfg.noise_std * draws).to(device=base.device, dtype=base.dtype)
+        return leaf + scaled * reasoning.to(base.device).unsqueeze(-1).to(base.dtype)
 
     with torch.enable_grad():
         picked = forward(perturb)[predict]               # (N, V): only predicting positions are kept
