@@ -1,0 +1,13 @@
+"""CPU mode: run verl's real trainer (Ray, FSDP2 engine, v1 trainer) on a machine without a GPU.
+
+Opt-in only, with ``VERL_PLATFORM=cpu``; meant for laptops and CI, not for speed. The pieces:
+
+- ``platform``: the verl platform named "cpu" (device "cpu", gloo) and the FSDP engines for it;
+- ``verl_patches``: the few monkeypatches of verl it needs, each checked against verl 0.9.x;
+- ``hf_rollout``: an "hf" rollout backend (transformers ``generate``) for the agent-loop machinery;
+- ``workspace``: a tiny Qwen2, its tokenizer, arithmetic data and a reward function, built offline;
+- ``overrides`` and ``launch``: the Hydra overrides for a CPU run and a launcher for
+  ``python -m verl.trainer.main_ppo``.
+
+Importing this package has no side effects; ``platform.register_cpu_platform()`` does the work.
+"""

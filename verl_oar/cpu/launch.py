@@ -1,0 +1,132 @@
+"""Run verl's real PPO/GRPO trainer on this CPU-only machine.
+
+    python -m verl_oar.cpu.launch [--steps N] [--adv-estimator grpo] [--workdir DIR] [--legacy] \
+        [extra hydra overrides ...]
+
+1. builds (or reuses) the workspace in ``--workdir`` (tiny Qwen2, tokenizer, data, reward);
+2. runs ``python -m verl.trainer.main_ppo`` with ``VERL_PLATFORM=cpu`` and ``cpu_overrides(...)``
+   plus the extra overrides, streaming its output;
+3. prints where the step metrics went (verl's "file" logger, one JSON line per step).
+
+The exit code is the trainer's. Ray is started inside the trainer (verl's ``run_ppo``) and stopped
+when it exits; a stray Ray left by a crashed run is stopped by ``--ray-stop-first``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from verl_oar.cpu.overrides import cpu_overrides, metrics_file
+
+DEFAULT_WORKDIR = Path(os.environ.get("VERL_OAR_CPU_WORKDIR", "~/.cache/verl_oar/cpu_workspace")).expanduser()
+
+
+def trainer_env(metrics_path: Path) -> dict[str, str]:
+    """Environment for the trainer subprocess: the cpu platform, the metrics file, quiet tokenizers."""
+    env = dict(os.environ)
+    env["VERL_PLATFORM"] = "cpu"
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env.setdefault("HYDRA_FULL_ERROR", "1")
+    # (CUDA_VISIBLE_DEVICES is left alone: Ray refuses a pretend GPU count when it is set to "")
+    return env
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The step records verl's file logger wrote: ``[{"step": int, "data": {metric: value}}, ...]``."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(
+    workdir: Path,
+    *,
+    steps: int = 2,
+    adv_estimator: str = "grpo",
+    use_v1: bool = True,
+    experiment_name: str = "cpu_smoke",
+    extra_overrides: list[str] | None = None,
+    timeout_s: float | None = None,
+) -> int:
+    """Build the workspace, run the trainer, return its exit code (124 on timeout)."""
+    from verl_oar.cpu.workspace import build_workspace
+
+    ws = build_workspace(workdir)
+    metrics_path = metrics_file(ws.root, experiment_name)
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    metrics_path.unlink(missing_ok=True)
+    overrides = cpu_overrides(
+        ws.root, steps=steps, adv_estimator=adv_estimator, use_v1=use_v1, experiment_name=experiment_name
+    ) + list(extra_overrides or [])
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    print("[verl-oar cpu] running: VERL_PLATFORM=cpu " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    start = time.time()
+    proc = subprocess.Popen(cmd, env=trainer_env(metrics_path), cwd=str(ws.root), start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"[verl-oar cpu] trainer exceeded {timeout_s} s; stopping it", flush=True)
+        _stop(proc)
+        rc = 124
+    except KeyboardInterrupt:
+        _stop(proc)
+        raise
+    records = read_metrics(metrics_path)
+    print(
+        f"[verl-oar cpu] trainer exit code {rc} after {time.time() - start:.0f} s; "
+        f"{len(records)} step records in {metrics_path}",
+        flush=True,
+    )
+    return rc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the trainer's process group (it started its own session), then the process itself."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run verl's trainer for a few steps on CPU (VERL_PLATFORM=cpu).",
+        epilog="Any further arguments are Hydra overrides passed to verl.trainer.main_ppo.",
+    )
+    parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
+    parser.add_argument("--adv-estimator", default="grpo", help="algorithm.adv_estimator (default grpo)")
+    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"workspace (default {DEFAULT_WORKDIR})")
+    parser.add_argument("--experiment-name", default="cpu_smoke", help="trainer.experiment_name, names the metrics file")
+    parser.add_argument("--legacy", action="store_true", help="verl's legacy trainer (trainer.use_v1=false)")
+    parser.add_argument("--timeout", type=float, default=None, help="stop the trainer after this many seconds")
+    args, extra = parser.parse_known_args(argv)
+    return run(
+        args.workdir,
+        steps=args.steps,
+        adv_estimator=args.adv_estimator,
+        use_v1=not args.legacy,
+        experiment_name=args.experiment_name,
+        extra_overrides=extra,
+        timeout_s=args.timeout,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The Hydra overrides for ``python -m verl.trainer.main_ppo`` on a CPU-only machine (verl 0.9.1).
+
+``cpu_overrides(workspace_dir)`` returns the full list; append your own (a later override of the same
+key wins in Hydra). Each group says why it is there; the ones CPU mode cannot run without are marked
+"required", the rest keep a run small and fast.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cpu_overrides(
+    workspace_dir: str | os.PathLike,
+    *,
+    steps: int = 2,
+    n: int = 4,
+    batch_size: int = 4,
+    adv_estimator: str = "grpo",
+    use_v1: bool = True,
+    max_prompt_length: int = 64,
+    max_response_length: int = 48,
+    lr: float = 1e-4,
+    use_kl_loss: bool = True,
+    experiment_name: str = "cpu_smoke",
+    seed: int = 0,
+) -> list[str]:
+    """Hydra overrides for a CPU run over the workspace built by ``workspace.build_workspace``.
+
+    Args:
+        workspace_dir: the directory ``build_workspace`` wrote (model/, data/, reward.py).
+        steps: ``trainer.total_training_steps``.
+        n: responses per prompt (the GRPO group size).
+        batch_size: prompts per step; one PPO mini-batch per step.
+        adv_estimator: ``algorithm.adv_estimator`` (grpo, or an OAR estimator once registered).
+        use_v1: verl's v1 trainer (default) or the legacy ``RayPPOTrainer``.
+        use_kl_loss: GRPO's KL-to-reference loss; True also exercises the reference model.
+    """
+    ws = Path(workspace_dir).expanduser().resolve()
+    rows = n * batch_size  # sequences per step
+    return [
+        # --- algorithm ---
+        f"algorithm.adv_estimator={adv_estimator}",
+        "algorithm.use_kl_in_reward=False",
+        # --- data (workspace) ---
+        f"data.train_files={ws / 'data' / 'train.parquet'}",
+        f"data.val_files={ws / 'data' / 'val.parquet'}",
+        f"data.train_batch_size={batch_size}",
+        f"data.max_prompt_length={max_prompt_length}",
+        f"data.max_response_length={max_response_length}",
+        "data.filter_overlong_prompts=False",
+        "data.truncation=error",
+        "data.dataloader_num_workers=0",
+        f"data.seed={seed}",
+        # --- model: required on CPU: no flash-attn, so SDPA ---
+        f"actor_rollout_ref.model.path={ws / 'model'}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        # --- actor / ref: required: FSDP2 (FSDP1 refuses CPU parameters with sync_module_states) ---
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.ref.strategy=fsdp2",
+        # fp32 end to end (CPU autocast to bf16 is slow and makes rollout/trainer log-probs differ)
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        # torch.compile on 2 cores costs minutes
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={rows}",
+        "actor_rollout_ref.actor.use_dynamic_bsz=False",
+        f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        f"actor_rollout_ref.actor.fsdp_config.seed={seed}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={rows}",
+        # --- rollout: required: the hf backend (no vLLM/SGLang on CPU), one rank ---
+        "actor_rollout_ref.rollout.name=hf",
+        f"actor_rollout_ref.rollout.n={n}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={rows}",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        # --- reward: the workspace's rule-based function ---
+        f"reward.custom_reward_function.path={ws / 'reward.py'}",
+        "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=1",
+        # --- trainer ---
+        "trainer.device=cpu",  # required
+        "trainer.n_gpus_per_node=1",  # required: one (pretend) GPU, see ray_kwargs
+        "trainer.nnodes=1",
+        f"trainer.use_v1={use_v1}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=1000",  # steps decide
+        "trainer.logger=[console,file]",
+        "trainer.project_name=verl_oar_cpu",
+        f"trainer.experiment_name={experiment_name}",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={ws / 'checkpoints'}",
+        "trainer.log_val_generations=0",
+        # --- v1 trainer: required: one TransferQueue storage unit (each wants a Ray CPU; 8 hang) ---
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        # --- Ray: required: verl counts GPUs; pretend one, and enough CPU slots for verl's actors ---
+        "+ray_kwargs.ray_init.num_gpus=1",
+        "ray_kwargs.ray_init.num_cpus=8",
+    ]
+
+
+def metrics_file(workspace_dir: str | os.PathLike, experiment_name: str = "cpu_smoke") -> Path:
+    """Where the launcher points verl's "file" logger (``VERL_FILE_LOGGER_PATH``): one JSON line per step."""
+    return Path(workspace_dir).expanduser().resolve() / "metrics" / f"{experiment_name}.jsonl"

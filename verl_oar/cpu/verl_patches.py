@@ -1,0 +1,198 @@
+"""Every monkeypatch of verl that CPU mode needs, in one place (checked against verl 0.9.1).
+
+CPU mode extends verl through its registries wherever verl has one (``PlatformRegistry``,
+``EngineRegistry``, ``RolloutReplicaRegistry``); this module holds what no public extension point
+covers. Each patch names the verl function it replaces, says why, and fails loudly, naming the
+function, when verl no longer has it. ``tests/test_cpu_mode_on_cpu.py`` checks that each still applies.
+
+1. ``verl.utils.distributed.initialize_global_process_group_ray``: verl builds the backend string
+   ``f"cpu:gloo,{device}:{backend}"``, which on the cpu platform is ``"cpu:gloo,cpu:gloo"``, and
+   torch rejects a device named twice. The wrapper passes the deduplicated string.
+2. ``verl.workers.rollout.base._ROLLOUT_REGISTRY``: the worker-side rollout class is looked up in
+   this private table keyed by ``(rollout.name, rollout.mode)``; there is no ``register`` function,
+   so the "hf" entry is added to the table.
+3. ``verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy``: the FSDP2 engine wraps
+   forward-only models (the reference policy) with ``CPUOffloadPolicy(pin_memory=True)``, and
+   pinning host memory needs an accelerator. The engine module's name is rebound to a subclass that
+   never pins; everything else about the policy is torch's.
+
+All patches are idempotent and are applied only by ``register_cpu_platform()``, i.e. only when the
+user set ``VERL_PLATFORM=cpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+SUPPORTED_VERL_SERIES = "0.9."
+"""verl versions these patches were written for (prefix of ``verl.__version__``)."""
+
+HF_ROLLOUT_KEY = ("hf", "async")
+HF_SERVER_ADAPTER_FQN = "verl_oar.cpu.hf_rollout.HFServerAdapter"
+
+_PATCHED_MARK = "__verl_oar_cpu_patch__"
+
+
+class VerlPatchError(RuntimeError):
+    """A verl internal that CPU mode patches is missing or has changed."""
+
+
+@dataclass(frozen=True)
+class VerlPatch:
+    """One monkeypatch: the verl attribute it replaces and why."""
+
+    name: str
+    """short identifier used in tests and error messages"""
+    module: str
+    """the verl module that holds the attribute"""
+    attribute: str
+    """the attribute (function or table) that is replaced or extended"""
+    why: str
+    """one sentence: what breaks on CPU without it"""
+    apply: Callable[[Any], None]
+    """applies the patch to the imported module; must be idempotent"""
+
+    def target(self) -> Any:
+        """Import the module and return the attribute, or raise ``VerlPatchError`` naming it."""
+        check_verl_version()
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as exc:
+            raise VerlPatchError(f"verl-oar cpu patch {self.name!r}: cannot import {self.module}: {exc}") from exc
+        if not hasattr(module, self.attribute):
+            raise VerlPatchError(
+                f"verl-oar cpu patch {self.name!r}: {self.module}.{self.attribute} not found in this verl "
+                f"(patch written for verl {SUPPORTED_VERL_SERIES}x). Why it is needed: {self.why}"
+            )
+        return getattr(module, self.attribute)
+
+
+def check_verl_version() -> str:
+    """Return ``verl.__version__``; raise ``VerlPatchError`` unless it is a 0.9.x release."""
+    import verl
+
+    version = getattr(verl, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VERL_SERIES):
+        raise VerlPatchError(
+            f"verl-oar cpu mode patches verl internals written for verl {SUPPORTED_VERL_SERIES}x; "
+            f"found verl {version}. Check verl_oar/cpu/verl_patches.py against this verl before using it."
+        )
+    return version
+
+
+def dedup_backend(backend: str) -> str:
+    """``"cpu:gloo,cpu:gloo"`` -> ``"cpu:gloo"``: drop repeated ``device:backend`` entries, keep order."""
+    parts = [part.strip() for part in backend.split(",") if part.strip()]
+    return ",".join(dict.fromkeys(parts))
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. backend string
+# ---------------------------------------------------------------------------------------------------
+
+
+def _patch_process_group_backend(module: Any) -> None:
+    original = module.initialize_global_process_group_ray
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        if backend is None:
+            backend = f"cpu:gloo,{module.get_device_name()}:{module.get_nccl_backend()}"
+        return original(timeout_second=timeout_second, backend=dedup_backend(backend))
+
+    setattr(initialize_global_process_group_ray, _PATCHED_MARK, True)
+    module.initialize_global_process_group_ray = initialize_global_process_group_ray
+    # modules that did `from verl.utils.distributed import initialize_global_process_group_ray`
+    # before this patch ran hold the original; rebind them (normally none are imported yet)
+    import sys
+
+    for name in ("verl.workers.engine_workers", "verl.checkpoint_engine.base"):
+        importer = sys.modules.get(name)
+        if importer is not None and getattr(importer, "initialize_global_process_group_ray", None) is original:
+            importer.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. rollout table
+# ---------------------------------------------------------------------------------------------------
+
+
+def _register_hf_server_adapter(module: Any) -> None:
+    table = module._ROLLOUT_REGISTRY
+    if not isinstance(table, dict):
+        raise VerlPatchError(f"verl.workers.rollout.base._ROLLOUT_REGISTRY is a {type(table).__name__}, not a dict")
+    table[HF_ROLLOUT_KEY] = HF_SERVER_ADAPTER_FQN
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. FSDP2 offload policy without pinned memory
+# ---------------------------------------------------------------------------------------------------
+
+
+def _patch_offload_pin_memory(module: Any) -> None:
+    original = module.CPUOffloadPolicy
+    if original is None:
+        raise VerlPatchError("verl's FSDP engine found no torch CPUOffloadPolicy (torch < 2.4?)")
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    class UnpinnedCPUOffloadPolicy(original):
+        """torch's ``CPUOffloadPolicy`` with ``pin_memory`` forced off (pinning needs an accelerator)."""
+
+        def __init__(self, pin_memory: bool = False):
+            super().__init__(pin_memory=False)
+
+    setattr(UnpinnedCPUOffloadPolicy, _PATCHED_MARK, True)
+    module.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
+
+
+PATCHES: tuple[VerlPatch, ...] = (
+    VerlPatch(
+        name="process_group_backend",
+        module="verl.utils.distributed",
+        attribute="initialize_global_process_group_ray",
+        why='verl builds the backend "cpu:gloo,cpu:gloo" on the cpu platform and torch rejects it',
+        apply=_patch_process_group_backend,
+    ),
+    VerlPatch(
+        name="hf_rollout_adapter",
+        module="verl.workers.rollout.base",
+        attribute="_ROLLOUT_REGISTRY",
+        why="the worker-side rollout class is looked up in this private table, which has no register()",
+        apply=_register_hf_server_adapter,
+    ),
+    VerlPatch(
+        name="fsdp2_offload_without_pinning",
+        module="verl.workers.engine.fsdp.transformer_impl",
+        attribute="CPUOffloadPolicy",
+        why="the FSDP2 engine offloads the reference model with pin_memory=True, which needs an accelerator",
+        apply=_patch_offload_pin_memory,
+    ),
+)
+
+
+def apply_verl_patches() -> None:
+    """Apply every patch in ``PATCHES`` (idempotent); raise ``VerlPatchError`` if one cannot apply."""
+    for patch in PATCHES:
+        patch.target()
+        patch.apply(importlib.import_module(patch.module))
+
+
+def patches_applied() -> dict[str, bool]:
+    """Name -> whether the patch is in effect in this process (for tests and diagnostics)."""
+    import verl.utils.distributed as distributed
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+    import verl.workers.rollout.base as rollout_base
+
+    return {
+        "fsdp2_offload_without_pinning": bool(getattr(fsdp_impl.CPUOffloadPolicy, _PATCHED_MARK, False)),
+        "process_group_backend": bool(
+            getattr(distributed.initialize_global_process_group_ray, _PATCHED_MARK, False)
+        ),
+        "hf_rollout_adapter": rollout_base._ROLLOUT_REGISTRY.get(HF_ROLLOUT_KEY) == HF_SERVER_ADAPTER_FQN,
+    }
