@@ -94,10 +94,15 @@ class HFServer:
         )
         self.model.eval()
         self.model.requires_grad_(False)
+        model_generation_config = self.model.generation_config
+        # transformers fills every field a request leaves unset from model.generation_config (a real
+        # checkpoint's top_k, repetition_penalty, eos...): start from a clean one so that only the
+        # request's sampling parameters apply
+        self.model.generation_config = GenerationConfig()
 
         tokenizer = self.model_config.tokenizer
         eos = set()
-        for source in (getattr(tokenizer, "eos_token_id", None), self.model.generation_config.eos_token_id):
+        for source in (getattr(tokenizer, "eos_token_id", None), model_generation_config.eos_token_id):
             if isinstance(source, int):
                 eos.add(source)
             elif source is not None:
@@ -149,14 +154,12 @@ class HFServer:
             "do_sample": not greedy,
             "return_dict_in_generate": True,
             "output_logits": True,
+            "repetition_penalty": repetition_penalty,
         }
         if not greedy:
             fields["temperature"] = temperature
             fields["top_p"] = float(top_p) if top_p is not None and float(top_p) < 1.0 else 1.0
             fields["top_k"] = int(top_k) if top_k is not None and int(top_k) > 0 else 0  # 0 disables top-k
-        if repetition_penalty != 1.0:
-            fields["repetition_penalty"] = repetition_penalty
-        # a complete config per request: the model's own generation_config (HF's top_k=50 default) must not leak in
         generation_config = GenerationConfig(**fields)
 
         input_ids = torch.tensor([prompt_ids], dtype=torch.long)
@@ -216,14 +219,15 @@ class HFServer:
         """
         start = time.time()
         with self._lock:
-            result = self.model.load_state_dict(named_tensors, strict=False)
-            tied = set(_tied_parameter_names(self.model))
-            missing = [k for k in result.missing_keys if k not in tied]
-            if result.unexpected_keys or missing:
+            expected = set(self.model.state_dict().keys())
+            unexpected = sorted(set(named_tensors) - expected)
+            missing = sorted(expected - set(named_tensors) - set(_tied_parameter_names(self.model)))
+            if unexpected or missing:  # checked before loading: a rejected update changes nothing
                 raise RuntimeError(
-                    f"hf rollout weight update does not match the model: unexpected {result.unexpected_keys[:5]}, "
+                    f"hf rollout weight update does not match the model: unexpected {unexpected[:5]}, "
                     f"missing {missing[:5]}"
                 )
+            self.model.load_state_dict(named_tensors, strict=False)
             self.weight_version += 1
         if global_steps is not None:
             self.global_steps = global_steps
