@@ -294,30 +294,34 @@ def test_hf_rollout_takes_weight_updates(hf_server):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_grpo_two_steps_with_verls_v1_trainer_on_cpu(cpu_workspace_dir: Path, tmp_path: Path):
+def _run_launcher(workspace: Path, log: Path, experiment: str, *extra: str) -> list[dict]:
+    """Run ``python -m verl_oar.cpu.launch`` for 2 GRPO steps; assert success; return the step records."""
     from verl_oar.cpu.launch import read_metrics
     from verl_oar.cpu.overrides import metrics_file
 
-    experiment = "e2e_test_grpo"
-    log = tmp_path / "trainer.log"
     with open(log, "w") as fp:
         proc = subprocess.run(
             [
                 sys.executable, "-m", "verl_oar.cpu.launch",
-                "--workdir", str(cpu_workspace_dir),
+                "--workdir", str(workspace),
                 "--steps", "2",
                 "--adv-estimator", "grpo",
                 "--experiment-name", experiment,
                 "--timeout", "330",
+                *extra,
             ],
             stdout=fp, stderr=subprocess.STDOUT, timeout=360,
         )  # fmt: skip
     tail = log.read_text()[-6000:]
     assert proc.returncode == 0, tail
-
-    records = read_metrics(metrics_file(cpu_workspace_dir, experiment))
+    records = read_metrics(metrics_file(workspace, experiment))
     assert [r["step"] for r in records] == [1, 2], tail
+    return records
+
+
+@pytest.mark.slow
+def test_grpo_two_steps_with_verls_v1_trainer_on_cpu(cpu_workspace_dir: Path, tmp_path: Path):
+    records = _run_launcher(cpu_workspace_dir, tmp_path / "trainer.log", "e2e_test_grpo_v1")
     for record in records:
         data = record["data"]
         for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean"):
@@ -325,3 +329,10 @@ def test_grpo_two_steps_with_verls_v1_trainer_on_cpu(cpu_workspace_dir: Path, tm
         assert 0.0 <= data["critic/score/mean"] <= 1.0 + FORMAT_BONUS
         # rollout (hf generate) and trainer (FSDP2) compute the same log-probs
         assert data["training/rollout_probs_diff_mean"] < 1e-4
+
+
+@pytest.mark.slow
+def test_grpo_two_steps_with_verls_legacy_trainer_on_cpu(cpu_workspace_dir: Path, tmp_path: Path):
+    records = _run_launcher(cpu_workspace_dir, tmp_path / "trainer.log", "e2e_test_grpo_legacy", "--legacy")
+    for record in records:
+        assert {"critic/score/mean", "actor/pg_loss"} <= set(record["data"])

@@ -25,6 +25,17 @@ from pathlib import Path
 
 from verl_oar.cpu.overrides import cpu_overrides, metrics_file
 
+SUMMARY_METRICS = (
+    "critic/score/mean",
+    "critic/advantages/max",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "response_length/mean",
+    "training/rollout_probs_diff_mean",
+    "timing_s/step",
+)
+"""printed per step at the end of a run; everything else is in the metrics file"""
+
 DEFAULT_WORKDIR = Path(os.environ.get("VERL_OAR_CPU_WORKDIR", "~/.cache/verl_oar/cpu_workspace")).expanduser()
 
 
@@ -82,9 +93,12 @@ def run(
         _stop(proc)
         raise
     records = read_metrics(metrics_path)
+    for record in records:
+        shown = {k: record["data"][k] for k in SUMMARY_METRICS if k in record["data"]}
+        print(f"[verl-oar cpu] step {record['step']}: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True)
     print(
         f"[verl-oar cpu] trainer exit code {rc} after {time.time() - start:.0f} s; "
-        f"{len(records)} step records in {metrics_path}",
+        f"{len(records)} step records (all metrics, one JSON line per step) in {metrics_path}",
         flush=True,
     )
     return rc
