@@ -26,7 +26,12 @@ def _run_python(code: str, *, env_extra: dict[str, str] | None = None, timeout: 
     env.pop("VERL_PLATFORM", None)
     env.update(env_extra or {})
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-c", textwrap.dedent(code)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
     assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
     return out.stdout
@@ -153,7 +158,9 @@ def test_workspace_contents(cpu_workspace_dir: Path):
     assert row["prompt"][0]["role"] == "user" and row["prompt"][0]["content"].startswith("What is ")
     a, b = row["prompt"][0]["content"][len("What is ") : -1].split("+")
     assert row["reward_model"]["ground_truth"] == str(int(a) + int(b))
-    assert not set(train["extra_info"].map(lambda e: e["question"])) & set(val["extra_info"].map(lambda e: e["question"]))
+    assert not set(train["extra_info"].map(lambda e: e["question"])) & set(
+        val["extra_info"].map(lambda e: e["question"])
+    )
 
     # the warm start leaves a model that answers in \boxed{} and is sometimes right, sometimes wrong
     samples = manifest["train_samples"]
@@ -171,7 +178,9 @@ def test_workspace_tokenizer_reloads_as_qwen2_and_round_trips(cpu_workspace_dir:
     assert all(i < 256 for i in ids)  # bytes only
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     assert tok.encode("\n", add_special_tokens=False) == [10]  # verl's Qwen chat-token builder needs this
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -223,7 +232,9 @@ def hf_server(cpu_workspace_dir: Path):
 
     from verl_oar.cpu.hf_rollout import HFServer
 
-    rollout = RolloutConfig(name="hf", tensor_model_parallel_size=1, dtype="float32", prompt_length=64, response_length=48)
+    rollout = RolloutConfig(
+        name="hf", tensor_model_parallel_size=1, dtype="float32", prompt_length=64, response_length=48
+    )
     model = HFModelConfig(path=str(cpu_workspace_dir / "model"), override_config={"attn_implementation": "sdpa"})
     return HFServer(rollout, model, replica_rank=0)
 
@@ -310,7 +321,7 @@ def _run_launcher(workspace: Path, log: Path, experiment: str, *extra: str) -> l
                 "--timeout", "330",
                 *extra,
             ],
-            stdout=fp, stderr=subprocess.STDOUT, timeout=360,
+            check=False, stdout=fp, stderr=subprocess.STDOUT, timeout=360,
         )  # fmt: skip
     tail = log.read_text()[-6000:]
     assert proc.returncode == 0, tail

@@ -33,12 +33,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Generator, Optional
+from collections.abc import Generator
+from typing import Any
 
 import ray
 import torch
 from transformers import GenerationConfig
-
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
@@ -54,8 +54,14 @@ def server_actor_name(replica_rank: int, name_suffix: str = "") -> str:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"hf rollout: unsupported dtype {name!r}; use one of {sorted(table)}")
     return table[name]
@@ -70,18 +76,17 @@ class HFServer:
 
     def __init__(self, config, model_config, replica_rank: int) -> None:
         from transformers import AutoModelForCausalLM
-
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import HFModelConfig, RolloutConfig
 
-        self.config: RolloutConfig = omega_conf_to_dataclass(config, RolloutConfig) if not isinstance(
-            config, RolloutConfig
-        ) else config
+        self.config: RolloutConfig = (
+            omega_conf_to_dataclass(config, RolloutConfig) if not isinstance(config, RolloutConfig) else config
+        )
         self.model_config: HFModelConfig = (
             model_config if isinstance(model_config, HFModelConfig) else omega_conf_to_dataclass(model_config)
         )
         self.replica_rank = replica_rank
-        self.global_steps: Optional[int] = None
+        self.global_steps: int | None = None
         self.weight_version = 0
         self._lock = threading.Lock()  # one generate or weight update at a time
 
@@ -186,10 +191,10 @@ class HFServer:
         prompt_ids: list[int],
         sampling_params: dict[str, Any],
         request_id: str,
-        image_data: Optional[list[Any]] = None,
-        video_data: Optional[list[Any]] = None,
-        audio_data: Optional[list[Any]] = None,
-        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
+        audio_data: list[Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
         priority: int = 0,
         **kwargs: Any,
     ) -> TokenOutput:
@@ -211,7 +216,7 @@ class HFServer:
     # weights
     # -------------------------------------------------------------------------------------------
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> dict:
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], global_steps: int | None = None) -> dict:
         """Load full (unsharded) HF-named tensors into the model; returns {"loaded", "seconds"}.
 
         Raises on a name the model does not have, or a model parameter left without a value
@@ -245,7 +250,7 @@ class HFServer:
     def get_server_address(self) -> str:
         return f"hf-replica-{self.replica_rank}"
 
-    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> None:
         return None
 
     async def sleep(self) -> None:
@@ -347,7 +352,7 @@ class HFServerAdapter(BaseRollout):
         self,
         weights: Generator[tuple[str, torch.Tensor], None, None],
         wire_format: str = "named_tensors",
-        global_steps: Optional[int] = None,
+        global_steps: int | None = None,
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -356,7 +361,9 @@ class HFServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise NotImplementedError(f"hf rollout supports wire_format='named_tensors' only, got {wire_format!r}")
         if peft_config is not None:
-            raise NotImplementedError("hf rollout takes merged weights only (set actor_rollout_ref.model.lora.merge=True)")
+            raise NotImplementedError(
+                "hf rollout takes merged weights only (set actor_rollout_ref.model.lora.merge=True)"
+            )
         named: dict[str, torch.Tensor] = {}
         async for name, tensor in ensure_async_iterator(weights):
             if self._has_server:

@@ -95,7 +95,9 @@ def run(
     records = read_metrics(metrics_path)
     for record in records:
         shown = {k: record["data"][k] for k in SUMMARY_METRICS if k in record["data"]}
-        print(f"[verl-oar cpu] step {record['step']}: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True)
+        print(
+            f"[verl-oar cpu] step {record['step']}: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True
+        )
     print(
         f"[verl-oar cpu] trainer exit code {rc} after {time.time() - start:.0f} s; "
         f"{len(records)} step records (all metrics, one JSON line per step) in {metrics_path}",
@@ -127,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     parser.add_argument("--adv-estimator", default="grpo", help="algorithm.adv_estimator (default grpo)")
     parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"workspace (default {DEFAULT_WORKDIR})")
-    parser.add_argument("--experiment-name", default="cpu_smoke", help="trainer.experiment_name, names the metrics file")
+    parser.add_argument(
+        "--experiment-name", default="cpu_smoke", help="trainer.experiment_name, names the metrics file"
+    )
     parser.add_argument("--legacy", action="store_true", help="verl's legacy trainer (trainer.use_v1=false)")
     parser.add_argument("--timeout", type=float, default=None, help="stop the trainer after this many seconds")
     args, extra = parser.parse_known_args(argv)

@@ -25,7 +25,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -173,7 +173,7 @@ def _make_platform_class():
         def set_device(self, device_index: int) -> None:
             return None
 
-        def synchronize(self, device_index: Optional[int] = None) -> None:
+        def synchronize(self, device_index: int | None = None) -> None:
             return None
 
         def manual_seed(self, seed: int) -> None:
@@ -188,7 +188,7 @@ def _make_platform_class():
         def empty_cache(self) -> None:
             return None
 
-        def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+        def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
             return None, None
 
         def communication_backend_name(self) -> str:
@@ -278,8 +278,7 @@ def register_cpu_platform() -> None:
         )
         print("[verl-oar] WARNING: VERL_PLATFORM=cpu on a CUDA machine: running on CPU.", file=sys.stderr)
 
-    from verl.plugin.platform import PlatformRegistry
-    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform import PlatformRegistry, platform_manager
 
     current = platform_manager._current_platform
     if current is not None and current.device_name != "cpu":

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 SUPPORTED_VERL_SERIES = "0.9."
 """verl versions these patches were written for (prefix of ``verl.__version__``)."""
@@ -185,14 +186,12 @@ def apply_verl_patches() -> None:
 
 def patches_applied() -> dict[str, bool]:
     """Name -> whether the patch is in effect in this process (for tests and diagnostics)."""
-    import verl.utils.distributed as distributed
     import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
     import verl.workers.rollout.base as rollout_base
+    from verl.utils import distributed
 
     return {
         "fsdp2_offload_without_pinning": bool(getattr(fsdp_impl.CPUOffloadPolicy, _PATCHED_MARK, False)),
-        "process_group_backend": bool(
-            getattr(distributed.initialize_global_process_group_ray, _PATCHED_MARK, False)
-        ),
+        "process_group_backend": bool(getattr(distributed.initialize_global_process_group_ray, _PATCHED_MARK, False)),
         "hf_rollout_adapter": rollout_base._ROLLOUT_REGISTRY.get(HF_ROLLOUT_KEY) == HF_SERVER_ADAPTER_FQN,
     }

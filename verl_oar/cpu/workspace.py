@@ -15,7 +15,7 @@ Departures from a real setup, on purpose:
 1. The tokenizer has only the 256 byte symbols (no merges) plus ``<|im_end|>`` (eos),
    ``<|endoftext|>`` (pad) and ``<|im_start|>``: transformers 5 reloads it as a ``Qwen2Tokenizer``
    for ``model_type=qwen2``, and verl's Qwen chat-token builder finds the tokens it needs.
-2. The model (hidden 64, 2 layers, 4 heads, 2 kv heads, ~100k parameters) gets a short supervised
+2. The model (hidden 64, 2 layers, 4 heads, 2 kv heads, 140k parameters, vocab 259) gets a short supervised
    warm start -- a plain torch loop of ``warm_start_steps`` steps, a few seconds to under a minute
    on 2 cores -- on strings like ``"3 plus 4 makes 7. \\boxed{7}<|im_end|>"``, so that responses
    sampled at temperature 1 usually end with a ``\\boxed{...}`` answer, sometimes right and sometimes
@@ -220,7 +220,9 @@ def _new_model(spec: WorkspaceSpec, tokenizer):
 
 
 def _prompt_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -264,7 +266,11 @@ def warm_start(model, tokenizer, pairs: list[tuple[int, int]], spec: WorkspaceSp
         if step % 100 == 0 or step == spec.warm_start_steps - 1:
             _log(f"warm start step {step:4d}/{spec.warm_start_steps} loss {loss_value:.3f}")
     model.eval()
-    return {"steps": spec.warm_start_steps, "final_loss": round(loss_value, 4), "seconds": round(time.time() - start, 1)}
+    return {
+        "steps": spec.warm_start_steps,
+        "final_loss": round(loss_value, 4),
+        "seconds": round(time.time() - start, 1),
+    }
 
 
 def sample_statistics(model, tokenizer, pairs: list[tuple[int, int]], *, max_new_tokens: int, seed: int) -> dict:
@@ -331,7 +337,9 @@ def _read_manifest(root: Path) -> dict | None:
         return None
 
 
-def build_workspace(directory: str | os.PathLike, spec: WorkspaceSpec | None = None, *, force: bool = False) -> Workspace:
+def build_workspace(
+    directory: str | os.PathLike, spec: WorkspaceSpec | None = None, *, force: bool = False
+) -> Workspace:
     """Build (or reuse) the CPU-run workspace in ``directory`` and return its paths."""
     import torch
 
