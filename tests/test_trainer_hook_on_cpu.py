@@ -39,6 +39,9 @@ def test_trainer_hook_is_the_one_verl_patch_and_still_applies():
     install_trainer_hook()  # idempotent: a second install changes nothing
     sync = trainer_base.TRAINER_REGISTRY["sync"]
     assert issubclass(sync, PPOTrainerSync) and sync is not PPOTrainerSync
+    from verl.trainer.ppo import ray_trainer
+
+    assert getattr(ray_trainer.RayPPOTrainer, "_verl_oar_hooked", False), "legacy trainer is not guarded"
     for name in ("_compute_old_log_prob", "_compute_advantage", "_init_resource_pool_mgr"):
         assert name in vars(sync), f"OARTrainerSync must override {name}"
         assert hasattr(PPOTrainerSync, name), f"verl no longer has PPOTrainer.{name}: the hook is stale"
@@ -65,6 +68,7 @@ def test_a_different_function_under_an_oar_name_is_refused():
     "overrides, match",
     [
         (["trainer.v1.trainer_mode=colocate_async"], "trainer_mode=sync"),
+        (["trainer.use_v1=false"], "trainer.use_v1=true"),
         (["actor_rollout_ref.actor.strategy=megatron"], "strategy=fsdp2"),
         (["+algorithm.oar.tua=0.5"], r"Unknown key\(s\) algorithm.oar.tua"),
         (["+algorithm.oar.tau=1.5"], "tau"),
@@ -76,9 +80,12 @@ def test_a_different_function_under_an_oar_name_is_refused():
 def test_startup_checks_name_cause_and_fix(overrides, match):
     from verl_oar.trainer import check_token_signals_supported
 
+    from verl_oar.trainer import LEGACY
+
     config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2", *overrides])
+    mode = config.trainer.v1.trainer_mode if config.trainer.use_v1 else LEGACY
     with pytest.raises(ValueError, match=match):
-        check_token_signals_supported(config, config.trainer.v1.trainer_mode)
+        check_token_signals_supported(config, mode)
 
 
 def test_startup_check_passes_for_a_supported_config_and_ignores_other_estimators():

@@ -47,6 +47,9 @@ class OARConfig:
     """which model scores importance: actor (the rollout/old policy, default) or ref"""
     seed: int = 0
     """seed of the embedding noise; mixed with the step so each step draws fresh noise"""
+    dump_dir: str = ""
+    """if set, every step's token-level tensors (importance, masks, weights, GRPO and OAR advantages)
+    are saved to ``{dump_dir}/step_{N}.pt`` for inspection (heatmaps, debugging); off by default"""
 
     def __post_init__(self) -> None:
         if self.importance_model not in ("actor", "ref"):

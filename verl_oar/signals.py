@@ -100,6 +100,8 @@ class TokenSignals:
     """filled by the estimator; the trainer logs them under ``oar/``"""
     step: int = 0
     """global training step (for seeding)"""
+    artifacts: dict[str, torch.Tensor] = field(default_factory=dict)
+    """filled by the estimator with per-token results worth saving (see ``algorithm.oar.dump_dir``)"""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -6,9 +6,10 @@ by ``trainer.v1.trainer_mode`` (default ``sync``); so that ``algorithm.adv_estim
 with no other flag, the hook replaces the ``sync`` entry with ``OARTrainerSync``, a subclass that
 overrides three methods and calls ``super()`` in each. With any estimator that needs no token
 signal (grpo, gae, ...) it behaves exactly like verl's ``PPOTrainerSync``. The other registered
-modes are wrapped so that an OAR estimator is refused at start-up instead of failing mid-run.
-This registry replacement is verl-oar's one patch of verl; it checks the verl version and that
-the registry still looks as expected (tests/test_trainer_hook_on_cpu.py). Checked against 0.9.1.
+modes, and the legacy ``RayPPOTrainer`` (``trainer.use_v1=false``), are wrapped so that an OAR
+estimator is refused at start-up instead of failing mid-run. These rebindings are verl-oar's only
+patch of verl outside CPU mode; the hook checks the verl version and that the registry still looks
+as expected (tests/test_trainer_hook_on_cpu.py). Checked against verl 0.9.1.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import time
 
 SUPPORTED_VERL = ("0.9.",)
+LEGACY = "legacy"
+"""trainer mode name used here for verl's deprecated ``RayPPOTrainer`` (``trainer.use_v1=false``)"""
 
 
 def _estimator_name(config) -> str:
@@ -35,6 +38,12 @@ def check_token_signals_supported(config, trainer_mode: str) -> tuple:
     if not providers:
         return ()
     name = _estimator_name(config)
+    if trainer_mode == LEGACY:
+        raise ValueError(
+            f"algorithm.adv_estimator={name} needs per-token signals, which verl-oar computes in verl's "
+            "v1 trainer only, not in the deprecated legacy trainer (trainer.use_v1=false). "
+            "Set trainer.use_v1=true (verl's default)."
+        )
     if trainer_mode != "sync":
         raise ValueError(
             f"algorithm.adv_estimator={name} needs per-token signals, which verl-oar computes in verl's "
@@ -69,6 +78,12 @@ def install_trainer_hook() -> None:
         if getattr(cls, "_verl_oar_hooked", False):
             continue
         registry[mode] = _oar_trainer_sync(cls) if mode == "sync" else _guarded(cls, mode)
+    # The legacy trainer has no registry: main_ppo_v0 does `from ray_trainer import RayPPOTrainer`
+    # when the TaskRunner imports it, which is after this plugin ran, so rebinding the name suffices.
+    from verl.trainer.ppo import ray_trainer
+
+    if not getattr(ray_trainer.RayPPOTrainer, "_verl_oar_hooked", False):
+        ray_trainer.RayPPOTrainer = _guarded(ray_trainer.RayPPOTrainer, LEGACY)
 
 
 _CLASSES: dict = {}
@@ -136,8 +151,23 @@ def _oar_trainer_sync(base):
             with provide(signals):
                 batch = super()._compute_advantage(batch, metrics)
             metrics.update({f"oar/{k}": v for k, v in signals.metrics.items()})
+            dump_dir = self.config.algorithm.get("oar", {}).get("dump_dir", "")
+            if dump_dir:
+                _dump(dump_dir, int(self.global_steps), list(batch.keys), signals)
             return batch
 
     OARTrainerSync.__module__ = __name__
     _CLASSES["sync"] = OARTrainerSync
     return OARTrainerSync
+
+
+def _dump(dump_dir: str, step: int, keys: list, signals) -> None:
+    """Save a step's token-level tensors (``algorithm.oar.dump_dir``): padded (bs, response_len) each."""
+    import os
+
+    import torch
+
+    os.makedirs(dump_dir, exist_ok=True)
+    payload = {"step": step, "keys": keys, **signals.tensors, **signals.artifacts}
+    torch.save({k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in payload.items()},
+               os.path.join(dump_dir, f"step_{step}.pt"))

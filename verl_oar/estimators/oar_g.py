@@ -57,4 +57,7 @@ def compute_oar_g_advantage(
             weights, reasoning, mask, grpo_adv, advantages, oar.reshape_config(), importance=signals["oar_importance"]
         )
     )
+    signals.artifacts.update(
+        grpo_advantages=grpo_adv, advantages=advantages, weights=weights.weights, fallback=weights.fallback
+    )
     return advantages, advantages
