@@ -78,3 +78,15 @@ def test_oar_g_refuses_at_startup_with_cause_and_fix(cpu_workspace_dir, tmp_path
     assert rc != 0
     assert expected in log, log[-6000:]
     assert read_metrics(metrics_file(cpu_workspace_dir, "e2e_oar_g_refused")) == []  # not a single step ran
+
+
+@pytest.mark.slow
+def test_oar_g_with_reference_model_importance_and_the_other_objective_and_saliency(cpu_workspace_dir, tmp_path):
+    extra = ("+algorithm.oar.importance_model=ref", "+algorithm.oar.objective=loglik", "+algorithm.oar.saliency=grad_norm")
+    rc, log = _launch(cpu_workspace_dir, tmp_path / "log", "e2e_oar_g_ref", *extra)
+    assert rc == 0, log[-6000:]
+    records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_oar_g_ref"))
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert all(k in record["data"] for k in OAR_KEYS)
+        assert record["data"]["oar/weight/max"] > 1.0  # something was amplified

@@ -157,8 +157,8 @@ def _saying_span(text: str) -> AnswerSpan | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_of_unicode() -> dict[str, int]:
-    """Inverse of GPT-2's ``bytes_to_unicode``: the printable character standing for each byte."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     codes = list(printable)
     extra = 0
@@ -167,7 +167,13 @@ def _byte_of_unicode() -> dict[str, int]:
             printable.append(byte)
             codes.append(256 + extra)
             extra += 1
-    return {chr(code): byte for byte, code in zip(printable, codes)}
+    return {byte: chr(code) for byte, code in zip(printable, codes)}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_of_unicode() -> dict[str, int]:
+    """Inverse of :func:`bytes_to_unicode`: the byte each printable character stands for."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

@@ -120,27 +120,14 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
 def build_tokenizer():
     """Byte-level BPE with no merges: token id == byte value for ids 0..255, then 3 special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    byte_chars = _bytes_to_unicode()
+    from verl_oar.answer_span import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
