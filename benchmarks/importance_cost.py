@@ -16,6 +16,10 @@ forward that computes every token's log-probability, as verl's old-log-prob step
   (log-probs from its detached logits), i.e. the *total* cost of both, to compare with 1 + loglik.
 
 Answers are the last 8 tokens of each response; reasoning is everything before them.
+
+``--memory`` adds a second table: the peak resident memory each computation adds, measured in a fresh
+subprocess per cell (Linux VmHWM, reset right before the run, minus VmRSS then), next to an actor
+update (forward, backward into the weights, one Adam step) on the same batch.
 """
 
 from __future__ import annotations
@@ -107,6 +111,63 @@ def reference_structure(model, ids, reasoning, predict, targets, segment):
     return out
 
 
+def actor_update(model, ids):
+    """What verl's actor update does per micro-batch: forward, backward into the weights, Adam step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = -torch.log_softmax(logits.float(), -1).gather(-1, torch.roll(ids, -1, 1).unsqueeze(-1)).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def peak_memory_mb(mode: str, size: str, vocab: int, hidden: int, layers: int) -> float:
+    """Run ``mode`` once in this (fresh) process; return the peak RSS it added, in MiB (Linux only:
+    the peak is reset through /proc/self/clear_refs right before the run)."""
+    import gc
+
+    b, t = (int(x) for x in size.lower().split("x"))
+    model = build_model(vocab, hidden, layers)
+    ids, reasoning, predict, targets, segment = make_batch(b, t, vocab)
+    logprob_pass(model, ids)  # warm-up: lazy allocations of the first forward are not the mode's
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+    before = _status_kib("VmRSS")
+    if mode == "logprob":
+        logprob_pass(model, ids)
+    elif mode == "update":
+        actor_update(model, ids)
+    elif mode == "reference":
+        reference_structure(model, ids, reasoning, predict, targets, segment)
+    else:
+        ours(model, ids, reasoning, predict, targets, segment, mode)
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def memory_table(args) -> None:
+    import subprocess
+
+    modes = ("logprob", "update", "reference", "noisy_kl", "loglik")
+    print(f"\npeak memory added (MiB, fresh process per cell): {' | '.join(modes)}")
+    for size in args.sizes.split(","):
+        cells = []
+        for mode in modes:
+            out = subprocess.run(
+                [sys.executable, __file__, "--_peak", mode, "--sizes", size, "--vocab", str(args.vocab),
+                 "--hidden", str(args.hidden), "--layers", str(args.layers)],
+                capture_output=True, text=True, check=True,
+            )
+            cells.append(float(out.stdout.strip().splitlines()[-1]))
+        ratio = " | ".join(f"{c:7.1f}" for c in cells)
+        print(f"{size:>8} | {ratio} | importance / update: noisy_kl {cells[3] / cells[1]:.2f}x, loglik {cells[4] / cells[1]:.2f}x")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="8x128,8x256,4x512", help="BxT batch sizes and lengths")
@@ -114,7 +175,12 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--memory", action="store_true", help="also measure peak memory (subprocess per cell)")
+    parser.add_argument("--_peak", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args._peak:
+        print(peak_memory_mb(args._peak, args.sizes, args.vocab, args.hidden, args.layers))
+        return
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = build_model(args.vocab, args.hidden, args.layers)
     print(f"command: python benchmarks/importance_cost.py {' '.join(sys.argv[1:])}".rstrip())
@@ -135,6 +201,8 @@ def main(argv=None) -> None:
         ]
         cells = " | ".join(f"{r / base:>{w}.2f}x" for r, w in zip(rows, (18, 14, 12, 16)))
         print(f"{size:>8} | {base * 1e3:>10.1f} ms | {cells}")
+    if args.memory:
+        memory_table(args)
 
 
 if __name__ == "__main__":
