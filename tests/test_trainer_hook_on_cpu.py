@@ -142,3 +142,33 @@ def test_estimator_reshapes_grpo_exactly_where_importance_varies():
         torch.testing.assert_close(adv[row, 4:], grpo[row, 4:])  # answer and later tokens keep weight 1
         assert torch.all(torch.sign(adv[row]) == torch.sign(grpo[row]))
     assert signals.metrics["fallback/frac_any"] == pytest.approx(0.5)
+
+
+def test_a_half_loaded_plugin_is_named_as_the_cause(monkeypatch):
+    from verl_oar import plugin
+    from verl_oar.estimators.oar_g import compute_oar_g_advantage
+
+    monkeypatch.setattr(plugin, "LOAD_ERROR", "Traceback ... ImportError: boom")
+    rewards, mask, index = _grpo_batch([1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(RuntimeError, match="plugin failed to load:\nTraceback ... ImportError: boom"):
+        compute_oar_g_advantage(token_level_rewards=rewards, response_mask=mask, index=index, config={})
+
+
+def test_plugin_failure_is_printed_loudly_not_swallowed():
+    # a broken verl_oar.trainer shadows the real one: verl would hide the exception at debug level
+    code = (
+        "import sys, types\n"
+        "import verl_oar\n"
+        "broken = types.ModuleType('verl_oar.trainer')\n"
+        "def install_trainer_hook():\n"
+        "    raise RuntimeError('simulated hook failure')\n"
+        "broken.install_trainer_hook = install_trainer_hook\n"
+        "sys.modules['verl_oar.trainer'] = broken\n"
+        "import verl\n"
+        "from verl_oar import plugin\n"
+        "assert plugin.LOAD_ERROR and 'simulated hook failure' in plugin.LOAD_ERROR\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+    assert "[verl-oar] ERROR: the verl-oar plugin failed to load" in out.stderr
