@@ -320,3 +320,39 @@ def test_config_validation(field, value):
     with pytest.raises(ValueError, match=rf"GradientConfig\.{field}="):
         GradientConfig(**{field: value})
     GradientConfig(objective="loglik", noise_std=0.0)                     # no noise needed there
+
+
+def test_forward_may_return_only_the_predicting_positions_logits():
+    """A forward that skips the output layer off the predicting positions (transformers'
+    ``logits_to_keep``) gives the same importance as one that returns every position's logits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from verl_oar.importance.gradient import GradientConfig, gradient_importance_in_forward
+
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa")).eval()
+    ids = torch.randint(0, 64, (3, 12))
+    reasoning = torch.zeros(3, 12, dtype=torch.bool)
+    reasoning[:, 2:8] = True
+    predict = torch.zeros(3, 12, dtype=torch.bool)
+    predict[0, 8:10] = True
+    predict[1, 9:11] = True
+    predict[2, 8] = True
+    targets = torch.roll(ids, -1, 1)
+    segment = torch.arange(3).unsqueeze(1).expand(3, 12).contiguous()
+    cols = predict.any(dim=0).nonzero().squeeze(1)
+
+    def run(select: bool):
+        def forward(transform):
+            embeds = transform(model.get_input_embeddings()(ids))
+            if select:
+                return model(inputs_embeds=embeds, logits_to_keep=cols).logits[predict[:, cols]]
+            return model(inputs_embeds=embeds).logits
+
+        cfg = GradientConfig(objective="noisy_kl", outcome="mean")
+        return gradient_importance_in_forward(forward, reasoning, predict, targets, segment, 3, cfg,
+                                              generator=torch.Generator().manual_seed(0))
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-12)

@@ -109,6 +109,17 @@ def _layout(micro_batch: TensorDict, output_args: dict, use_remove_padding: bool
     return to_layout, unlayout, targets, segment.to(targets.device)
 
 
+def _accepts_logits_to_keep(module) -> bool:
+    """Whether the model's forward takes transformers' ``logits_to_keep`` (index tensor form)."""
+    import inspect
+
+    forward = getattr(getattr(module, "module", module), "forward", None)
+    try:
+        return "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, step: int) -> torch.Tensor:
     """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens."""
     from verl.utils import tensordict_utils as tu
@@ -142,15 +153,25 @@ def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, ste
         else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype)
     )
 
+    # Only the predicting positions' logits are needed: let the model skip its output layer elsewhere
+    # (a (T x V) matmul and buffer, the largest of the pass at a 150k vocabulary).
+    keep_cols = predict.any(dim=0).nonzero().squeeze(1)
+    keep = {"logits_to_keep": keep_cols} if _accepts_logits_to_keep(module) else {}
+    if isinstance(temp, torch.Tensor):
+        temp = temp[predict]
+
     def forward(transform):
-        """Run the engine's model with input embeddings replaced by ``transform(clean)``."""
+        """Run the engine's model with input embeddings replaced by ``transform(clean)``.
+
+        Returns (N, V) float32 logits at the predicting positions, divided by the temperature."""
         handle = embedding.register_forward_hook(lambda _m, _i, out: transform(out))
         try:
             with autocast:
-                logits = module(**model_inputs, use_cache=False).logits
+                logits = module(**model_inputs, use_cache=False, **keep).logits
         finally:
             handle.remove()
-        return logits.float() / temp
+        picked = logits[predict[:, keep_cols]] if keep else logits[predict]
+        return picked.float() / temp
 
     importance = gradient_importance_in_forward(
         forward,

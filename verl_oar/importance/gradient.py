@@ -138,7 +138,9 @@ def gradient_importance_in_forward(
     Args:
         forward: ``forward(transform)`` runs the model once with its input embeddings e (B, T, H)
             replaced by ``transform(e)`` (e.g. a forward hook on the embedding module returning
-            ``transform(output)``) and returns logits (B, T, V). Called once with grad and, for
+            ``transform(output)``) and returns logits, either (B, T, V) or only those at the
+            predicting positions, (N, V) in the row-major order of ``predict_mask.nonzero()`` (lets
+            the model skip its output layer elsewhere, e.g. with transformers' ``logits_to_keep``). Called once with grad and, for
             ``noisy_kl`` without ``clean_logits``, once under no_grad with an identity transform.
             ``transform`` must be applied exactly once per call.
         reasoning_mask: (B, T) bool, positions that get noise and an importance.
@@ -178,7 +180,7 @@ def gradient_importance_in_forward(
     if cfg.objective == "noisy_kl":                       # clean outcome first: only (S, V) is kept
         with torch.no_grad():
             logits = clean_logits if clean_logits is not None else forward(lambda e: e)
-            picked = logits.detach()[predict]
+            picked = _at_predicting_positions(logits.detach(), predict)
             del logits
             clean = outcome_statistic(picked, tgt, seg, num_segments, cfg.outcome)
             del picked
@@ -205,7 +207,7 @@ def gradient_importance_in_forward(
         return leaf + scaled * reasoning.to(base.device).unsqueeze(-1).to(base.dtype)
 
     with torch.enable_grad():
-        picked = forward(perturb)[predict]               # (N, V): only predicting positions are kept
+        picked = _at_predicting_positions(forward(perturb), predict)  # (N, V): only these are kept
         if "leaf" not in seen:
             raise RuntimeError("forward(transform) returned without applying transform to the embeddings")
         if cfg.objective == "loglik":
@@ -245,3 +247,16 @@ def make_hf_logits_fn(
         return out.logits
 
     return logits_fn
+
+
+def _at_predicting_positions(logits: Tensor, predict: Tensor) -> Tensor:
+    """(B, T, V) logits -> (N, V) at ``predict``; (N, V) logits are taken as already selected."""
+    if logits.dim() == 3:
+        return logits[predict]
+    n = int(predict.sum())
+    if logits.dim() != 2 or logits.shape[0] != n:
+        raise ValueError(
+            f"forward returned logits of shape {tuple(logits.shape)}; expected (B, T, V) = "
+            f"{tuple(predict.shape)} + (V,) or ({n}, V) at the predicting positions"
+        )
+    return logits
