@@ -13,7 +13,11 @@ forward that computes every token's log-probability, as verl's old-log-prob step
 - ``loglik (ours)``: ``gradient_importance`` with the answer log-likelihood objective: one forward
   and one input-only backward, no clean pass;
 - ``fused loglik + log-probs``: the log-prob pass and the loglik importance from one forward
-  (log-probs from its detached logits), i.e. the *total* cost of both, to compare with 1 + loglik.
+  (log-probs from its detached logits), i.e. the *total* cost of both, to compare with 1 + loglik;
+- ``fused noisy_kl + log-probs``: the log-prob pass doubling as noisy_kl's clean pass, then the noisy
+  pass and the input-only backward: the *total* cost of both, to compare with 1 + noisy_kl.
+The worker runs the fused forms by default (``algorithm.oar.fuse_log_prob``), inside verl's
+old-log-prob step, so their extra cost over plain GRPO is the fused total minus 1.
 
 Answers are the last 8 tokens of each response; reasoning is everything before them.
 
@@ -92,6 +96,20 @@ def fused(model, ids, reasoning, predict, targets, segment):
     phi = answer_log_likelihood(logits[predict], targets[predict], segment[predict], ids.shape[0]).sum()
     (grad,) = torch.autograd.grad(phi, [embeds])
     return log_probs, torch.where(reasoning, (grad * embeds.detach()).sum(-1).abs(), 0.0)
+
+
+def fused_noisy_kl(model, ids, reasoning, predict, targets, segment):
+    """The log-prob pass is noisy_kl's clean pass: log-probs + clean logits, then noisy pass + backward."""
+    with torch.no_grad():
+        clean_logits = model(input_ids=ids, use_cache=False).logits
+        log_probs = torch.log_softmax(clean_logits.float(), -1).gather(-1, targets.unsqueeze(-1))
+    cfg = GradientConfig(objective="noisy_kl", outcome="mean")
+    embeds = model.get_input_embeddings()(ids).detach()
+    importance = gradient_importance(
+        make_hf_logits_fn(model), embeds, reasoning, predict, targets, segment, ids.shape[0], cfg,
+        generator=torch.Generator().manual_seed(0), clean_logits=clean_logits,
+    )
+    return log_probs, importance
 
 
 def reference_structure(model, ids, reasoning, predict, targets, segment):
@@ -186,7 +204,10 @@ def main(argv=None) -> None:
     print(f"command: python benchmarks/importance_cost.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"model: Qwen2 vocab={args.vocab} hidden={args.hidden} layers={args.layers} fp32, "
           f"torch threads={torch.get_num_threads()}, median of {args.repeats}")
-    header = f"{'B x T':>8} | {'log-prob pass':>13} | {'reference structure':>19} | {'noisy_kl (ours)':>15} | {'loglik (ours)':>13} | {'fused loglik+logp':>17}"
+    header = (
+        f"{'B x T':>8} | {'log-prob pass':>13} | {'reference structure':>19} | {'noisy_kl (ours)':>15} | "
+        f"{'loglik (ours)':>13} | {'fused loglik+logp':>17} | {'fused noisy_kl+logp':>19}"
+    )
     print(header)
     print("-" * len(header))
     for size in args.sizes.split(","):
@@ -198,8 +219,9 @@ def main(argv=None) -> None:
             time_it(lambda: ours(model, ids, reasoning, predict, targets, segment, "noisy_kl"), args.repeats),
             time_it(lambda: ours(model, ids, reasoning, predict, targets, segment, "loglik"), args.repeats),
             time_it(lambda: fused(model, ids, reasoning, predict, targets, segment), args.repeats),
+            time_it(lambda: fused_noisy_kl(model, ids, reasoning, predict, targets, segment), args.repeats),
         ]
-        cells = " | ".join(f"{r / base:>{w}.2f}x" for r, w in zip(rows, (18, 14, 12, 16)))
+        cells = " | ".join(f"{r / base:>{w}.2f}x" for r, w in zip(rows, (18, 14, 12, 16, 18)))
         print(f"{size:>8} | {base * 1e3:>10.1f} ms | {cells}")
     if args.memory:
         memory_table(args)

@@ -193,6 +193,19 @@ def main(out_dir: str) -> None:
         output = worker.compute_token_importance(data)
         after = snapshot(engine)
         got = [t.float() for t in output["oar_importance"].unbind()]
+        # the fused path: verl's old-log-prob pass that also yields importance
+        plain_data, _, _ = make_batch(tokenizer, oar, step)
+        fused_data, _, _ = make_batch(tokenizer, oar, step)
+        from verl.utils import tensordict_utils as tu
+        for d in (plain_data, fused_data):
+            tu.assign_non_tensor(d, calculate_entropy=True, compute_loss=False)
+        tu.assign_non_tensor(fused_data, oar_fused=True)
+        plain = worker.compute_log_prob(plain_data)
+        fused = worker.compute_log_prob(fused_data)
+        after_fused = snapshot(engine)
+
+        def maxdiff(a, b):
+            return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a.unbind(), b.unbind()))
         # reference with the engine's current weights
         ref_dir = os.path.join(out_dir, "current")
         state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in engine.module.state_dict().items()}
@@ -208,7 +221,10 @@ def main(out_dir: str) -> None:
             **case,
             "max_abs_err": err,
             "scale": scale,
-            "state_unchanged": same(before, after),
+            "state_unchanged": same(before, after) and same(before, after_fused),
+            "fused_log_prob_err": maxdiff(fused["log_probs"], plain["log_probs"]),
+            "fused_entropy_err": maxdiff(fused["entropy"], plain["entropy"]),
+            "fused_importance_err": maxdiff(fused["oar_importance"], output["oar_importance"]),
             "reasoning_tokens": int(output["oar_reasoning_mask"].values().sum()),
             "answers_found": int(sum(int(a.any()) for a in output["oar_answer_mask"].unbind())),
             "nonzero_rows": int(sum(int(g.abs().sum() > 0) for g in got)),

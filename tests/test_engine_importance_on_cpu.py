@@ -1,7 +1,8 @@
 """OAR-G importance through verl's real FSDP2 engine (in-process worker, one-rank gloo group) equals a
 per-sequence plain-transformers reference, with packing on and off, several micro-batch sizes, dynamic
-batch size and parameter offload; and the call leaves parameters, grads and optimizer state as it
-found them. The engine runs in a subprocess: torch.distributed's process group is process-global."""
+batch size and parameter offload; the call leaves parameters, grads and optimizer state as it found
+them; and the fused path (verl's old-log-prob pass that also yields importance) returns verl's own
+log-probs and entropy and the same importance. The engine runs in a subprocess: torch.distributed's process group is process-global."""
 
 from __future__ import annotations
 
@@ -47,3 +48,10 @@ def test_engine_importance_reports_answer_and_reasoning_masks(cases):
     for case in cases:
         # 6 responses: 5 with a locatable answer; one of them has no reasoning tokens before it
         assert case["answers_found"] == 5 and case["nonzero_rows"] == 4 and case["reasoning_tokens"] > 0, case
+
+
+def test_fused_log_prob_pass_equals_verls_and_the_separate_importance_pass(cases):
+    for case in cases:
+        assert case["fused_log_prob_err"] <= 1e-5, (_name(case), case)
+        assert case["fused_entropy_err"] <= 1e-5, (_name(case), case)
+        assert case["fused_importance_err"] <= 1e-3 * case["scale"], (_name(case), case)

@@ -41,6 +41,9 @@ def test_oar_g_trains_two_steps_and_reshapes_exactly_where_importance_varies(cpu
         missing = [k for k in OAR_KEYS if k not in record["data"]]
         assert not missing, missing
         assert record["data"]["oar/mass_error/max_abs"] < 1e-4
+        # by default importance rides on verl's old-log-prob pass; its log-probs must stay verl's
+        assert record["data"]["oar/fused_log_prob"] == 1.0
+        assert record["data"]["training/rollout_probs_diff_mean"] < 1e-4
 
     reshaped_rows = 0
     for step in (1, 2):
@@ -89,4 +92,5 @@ def test_oar_g_with_reference_model_importance_and_the_other_objective_and_salie
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert all(k in record["data"] for k in OAR_KEYS)
+        assert "oar/fused_log_prob" not in record["data"]  # the reference model needs its own pass
         assert record["data"]["oar/weight/max"] > 1.0  # something was amplified

@@ -47,6 +47,10 @@ class OARConfig:
     """which model scores importance: actor (the rollout/old policy, default) or ref"""
     seed: int = 0
     """seed of the embedding noise; mixed with the step so each step draws fresh noise"""
+    fuse_log_prob: bool = True
+    """compute importance inside verl's old-log-prob pass (the clean forward is shared; with
+    ``objective=loglik`` the whole pass is) instead of in a pass of its own; ``importance_model=ref``
+    and rollout-correction bypass mode always use a pass of their own"""
     dump_dir: str = ""
     """if set, every step's token-level tensors (importance, masks, weights, GRPO and OAR advantages)
     are saved to ``{dump_dir}/step_{N}.pt`` for inspection (heatmaps, debugging); off by default"""

@@ -120,8 +120,18 @@ def _accepts_logits_to_keep(module) -> bool:
         return False
 
 
-def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, step: int) -> torch.Tensor:
-    """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens."""
+def _micro_batch_importance(
+    engine, micro_batch: TensorDict, cfg: OARConfig, step: int, with_log_probs: bool
+) -> tuple[torch.Tensor, dict | None]:
+    """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens.
+
+    With ``with_log_probs`` the pass also yields verl's log-prob outputs (``log_probs``, and
+    ``entropy`` if the batch asks for it, nested (bs, seq_len)), computed by the engine's own
+    ``prepare_model_outputs`` from the clean logits: the old-log-prob pass and importance share
+    one clean forward (``noisy_kl``) or the whole pass (``loglik``).
+    """
+    from types import SimpleNamespace
+
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id, get_device_name
 
@@ -139,8 +149,7 @@ def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, ste
 
     temperature = micro_batch["temperature"]
     if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
-        seg = segment.clamp(min=0)
-        temp = temperature.to(torch.float32)[seg].unsqueeze(-1)
+        temp = temperature.to(torch.float32)[segment.clamp(min=0)][predict].unsqueeze(-1)  # (N, 1)
     else:
         temp = float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)
 
@@ -154,24 +163,43 @@ def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, ste
     )
 
     # Only the predicting positions' logits are needed: let the model skip its output layer elsewhere
-    # (a (T x V) matmul and buffer, the largest of the pass at a 150k vocabulary).
+    # (a (T x V) matmul and buffer, the largest of the pass at a 150k vocabulary). A pass that also
+    # yields log-probs needs every position.
     keep_cols = predict.any(dim=0).nonzero().squeeze(1)
-    keep = {"logits_to_keep": keep_cols} if _accepts_logits_to_keep(module) else {}
-    if isinstance(temp, torch.Tensor):
-        temp = temp[predict]
+    keep_only = _accepts_logits_to_keep(module) and not (with_log_probs and cfg.objective == "loglik")
+    keep = {"logits_to_keep": keep_cols} if keep_only else {}
+    outputs: dict = {}
 
-    def forward(transform):
-        """Run the engine's model with input embeddings replaced by ``transform(clean)``.
-
-        Returns (N, V) float32 logits at the predicting positions, divided by the temperature."""
+    def run(transform, extra):
         handle = embedding.register_forward_hook(lambda _m, _i, out: transform(out))
         try:
             with autocast:
-                logits = module(**model_inputs, use_cache=False, **keep).logits
+                return module(**model_inputs, use_cache=False, **extra)
         finally:
             handle.remove()
+
+    def log_prob_outputs(raw) -> dict:
+        with torch.no_grad():
+            detached = SimpleNamespace(logits=raw.logits.detach())
+            return engine.prepare_model_outputs(detached, output_args, micro_batch, logits_processor_func=None)
+
+    def forward(transform):
+        """The model with input embeddings replaced by ``transform(clean)``: (N, V) float32
+        logits at the predicting positions, divided by the temperature."""
+        raw = run(transform, keep)
+        if with_log_probs and not outputs:  # loglik: this pass is the old-log-prob pass
+            outputs.update(log_prob_outputs(raw))
+        logits = raw.logits
         picked = logits[predict[:, keep_cols]] if keep else logits[predict]
         return picked.float() / temp
+
+    clean_logits = None
+    if with_log_probs and cfg.objective == "noisy_kl":  # the clean pass is the old-log-prob pass
+        with torch.no_grad():
+            raw = run(lambda e: e, {})
+        outputs.update(log_prob_outputs(raw))
+        clean_logits = raw.logits[predict].float() / temp
+        del raw
 
     importance = gradient_importance_in_forward(
         forward,
@@ -182,12 +210,20 @@ def _micro_batch_importance(engine, micro_batch: TensorDict, cfg: OARConfig, ste
         num_segments=int(micro_batch["input_ids"].offsets().numel() - 1),
         cfg=cfg.gradient_config(),
         noise=noise,
+        clean_logits=clean_logits,
     )
-    return unlayout(importance.detach().float().cpu())
+    if with_log_probs and not outputs:  # nothing to differentiate: no forward ran yet
+        with torch.no_grad():
+            outputs.update(log_prob_outputs(run(lambda e: e, {})))
+    log_probs = {k: v.detach().cpu() for k, v in outputs.items()} if with_log_probs else None
+    return unlayout(importance.detach().float().cpu()), log_probs
 
 
-def token_importance_on_training_worker(worker, data: TensorDict) -> TensorDict | None:
+def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs: bool = False) -> TensorDict | None:
     """OAR-G importance for a batch on one rank of a ``TrainingWorker``.
+
+    With ``with_log_probs`` it is also verl's old-log-prob pass: the output carries ``log_probs``
+    and ``entropy`` exactly as ``TrainingWorker.infer_batch`` returns them.
 
     Args:
         worker: verl ``TrainingWorker`` (the actor's or the reference model's).
@@ -227,12 +263,18 @@ def token_importance_on_training_worker(worker, data: TensorDict) -> TensorDict 
         micro_batches, indices = prepare_micro_batches(
             data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
         )
-        rows = []
+        rows, model_outputs = [], {}
         for micro_batch in micro_batches:
-            rows.extend(_micro_batch_importance(engine, micro_batch, cfg, step).unbind())
+            importance, outputs = _micro_batch_importance(engine, micro_batch, cfg, step, with_log_probs)
+            rows.extend(importance.unbind())
+            for key, value in (outputs or {}).items():
+                model_outputs.setdefault(key, []).extend(value.unbind())
+    dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
     importance = _nested(rows)
-    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+    model_outputs = {key: _nested(value) for key, value in model_outputs.items()}
+    if dynamic:
         importance = restore_dynamic_batch(importance, indices)
+        model_outputs = {key: restore_dynamic_batch(value, indices) for key, value in model_outputs.items()}
 
     prompt_lens = data["prompts"].offsets().diff().tolist()
     response_lens = data["responses"].offsets().diff().tolist()
@@ -246,6 +288,7 @@ def token_importance_on_training_worker(worker, data: TensorDict) -> TensorDict 
             "oar_importance": _nested(resp_rows),
             "oar_reasoning_mask": _nested([reasoning[i, :r] for i, r in enumerate(response_lens)]),
             "oar_answer_mask": _nested([answer[i, :r] for i, r in enumerate(response_lens)]),
+            **model_outputs,
         },
         batch_size=[len(resp_rows)],
     )

@@ -38,17 +38,25 @@ class SignalProvider:
     """``compute(trainer, batch: KVBatchMeta, metrics: dict)``: fill ``fields`` for every sample"""
     validate: Callable[[Any], None] | None = None
     """``validate(config)``: raise at start-up if this signal cannot be computed under ``config``"""
+    fuse: Callable[[Any, Any], bool] | None = None
+    """``fuse(trainer, batch) -> bool``, called right before the old-log-prob pass: True if it
+    arranged for that pass to produce ``fields`` itself (then ``compute`` is skipped this step)"""
 
 
 SIGNALS: dict[str, SignalProvider] = {}
 ESTIMATOR_NEEDS: dict[str, tuple[str, ...]] = {}
 
 
-def register_token_signal(name: str, fields: tuple[str, ...], validate: Callable[[Any], None] | None = None):
+def register_token_signal(
+    name: str,
+    fields: tuple[str, ...],
+    validate: Callable[[Any], None] | None = None,
+    fuse: Callable[[Any, Any], bool] | None = None,
+):
     """Decorator: register ``compute(trainer, batch, metrics)`` as the provider of signal ``name``."""
 
     def decorator(compute):
-        SIGNALS[name] = SignalProvider(name=name, fields=tuple(fields), compute=compute, validate=validate)
+        SIGNALS[name] = SignalProvider(name=name, fields=tuple(fields), compute=compute, validate=validate, fuse=fuse)
         return compute
 
     return decorator

@@ -51,7 +51,29 @@ def validate_importance_config(config) -> None:
             )
 
 
-@register_token_signal("token_importance", fields=IMPORTANCE_FIELDS, validate=validate_importance_config)
+OAR_EXTRA_KEYS = ("oar_config", "oar_step", "oar_fused", "no_lora_adapter")
+"""batch.extra_info keys this provider sets for one worker call and removes afterwards"""
+
+
+def fuse_into_log_prob(trainer, batch) -> bool:
+    """Mark the batch so that the actor's old-log-prob pass also computes importance.
+
+    Not when importance comes from the reference model, nor in rollout-correction bypass mode
+    (verl then skips the old-log-prob pass), nor with ``algorithm.oar.fuse_log_prob=false``.
+    The trainer removes the marks after the pass (``OAR_EXTRA_KEYS``).
+    """
+    oar = OARConfig.from_algorithm(trainer.config.algorithm)
+    rollout_corr = trainer.config.algorithm.get("rollout_correction", None)
+    bypass = bool(rollout_corr and rollout_corr.get("bypass_mode", False))
+    if not oar.fuse_log_prob or oar.importance_model != "actor" or bypass:
+        return False
+    batch.extra_info.update({"oar_config": oar.to_dict(), "oar_step": int(trainer.global_steps), "oar_fused": True})
+    return True
+
+
+@register_token_signal(
+    "token_importance", fields=IMPORTANCE_FIELDS, validate=validate_importance_config, fuse=fuse_into_log_prob
+)
 def compute_token_importance(trainer, batch, metrics: dict) -> None:
     """Fill ``IMPORTANCE_FIELDS`` for every sample of ``batch`` (a TransferQueue KVBatchMeta)."""
     oar = OARConfig.from_algorithm(trainer.config.algorithm)
@@ -72,7 +94,7 @@ def compute_token_importance(trainer, batch, metrics: dict) -> None:
         else:
             output = trainer.actor_rollout_wg.compute_token_importance(batch)
     finally:
-        for key in ("oar_config", "oar_step", "no_lora_adapter"):
+        for key in OAR_EXTRA_KEYS:
             batch.extra_info.pop(key, None)
     if len(output) != len(batch):
         raise RuntimeError(f"compute_token_importance returned {len(output)} samples for a batch of {len(batch)}")

@@ -134,8 +134,20 @@ def _oar_trainer_sync(base):
                     self.role_worker_mapping[role] = ray.remote(OARActorRolloutRefWorker)
 
         def _compute_old_log_prob(self, batch, metrics):
-            batch = super()._compute_old_log_prob(batch, metrics)
+            fused = {p.name for p in self._token_signals if p.fuse is not None and p.fuse(self, batch)}
+            started = time.perf_counter()
+            try:
+                batch = super()._compute_old_log_prob(batch, metrics)
+            finally:
+                for key in [k for k in batch.extra_info if str(k).startswith("oar_")]:
+                    batch.extra_info.pop(key, None)
+            if fused:  # the signals came with the log-prob pass: report that pass's time
+                metrics["oar/fused_log_prob"] = 1.0
+                for name in fused:
+                    metrics[f"oar/timing_s/{name}"] = time.perf_counter() - started
             for provider in self._token_signals:
+                if provider.name in fused:
+                    continue
                 started = time.perf_counter()
                 provider.compute(self, batch, metrics)
                 metrics[f"oar/timing_s/{provider.name}"] = time.perf_counter() - started

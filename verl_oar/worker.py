@@ -19,6 +19,17 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
     """verl's actor/rollout/ref worker plus OAR-G token importance on the same engines."""
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_log_prob(self, data: TensorDict) -> TensorDict | None:
+        """verl's old-log-prob pass; when the trainer marks the batch ``oar_fused``, the same pass
+        also computes token importance (one clean forward shared, see engine_importance)."""
+        from verl.utils import tensordict_utils as tu
+
+        if not tu.get(data, key="oar_fused", default=False):
+            return super().compute_log_prob(data)
+        output = token_importance_on_training_worker(self.actor, data, with_log_probs=True)
+        return output.cpu() if output is not None else None
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_token_importance(self, data: TensorDict) -> TensorDict | None:
         """Importance under the actor (the policy that produced the rollout); see engine_importance."""
         output = token_importance_on_training_worker(self.actor, data)
