@@ -33,8 +33,13 @@ SUMMARY_METRICS = (
     "response_length/mean",
     "training/rollout_probs_diff_mean",
     "timing_s/step",
+    "oar/weight/min",
+    "oar/weight/max",
+    "oar/weight/frac_suppressed",
+    "oar/fallback/frac_any",
+    "oar/timing_s/token_importance",
 )
-"""printed per step at the end of a run; everything else is in the metrics file"""
+"""printed per step at the end of a run (those present); everything else is in the metrics file"""
 
 DEFAULT_WORKDIR = Path(os.environ.get("VERL_OAR_CPU_WORKDIR", "~/.cache/verl_oar/cpu_workspace")).expanduser()
 
