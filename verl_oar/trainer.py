@@ -69,7 +69,7 @@ def install_trainer_hook() -> None:
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     registry = getattr(trainer_base, "TRAINER_REGISTRY", None)
-    if not isinstance(registry, dict) or registry.get("sync") not in (PPOTrainerSync, _oar_classes().get("sync")):
+    if not isinstance(registry, dict) or registry.get("sync") not in (PPOTrainerSync, _CLASSES.get("sync")):
         raise RuntimeError(
             "verl's v1 trainer registry (verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY['sync']) is not "
             "what verl-oar expects; this verl is not supported. Install verl==0.9.1."
@@ -87,10 +87,7 @@ def install_trainer_hook() -> None:
 
 
 _CLASSES: dict = {}
-
-
-def _oar_classes() -> dict:
-    return _CLASSES
+"""trainer mode -> the OAR-aware class installed for it (lets a second install recognise its own)"""
 
 
 def _guarded(cls, mode: str):
