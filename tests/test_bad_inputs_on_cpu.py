@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_oar.cpu.workspace import build_tokenizer
-from verl_oar.engine_importance import _PREDICT, _REASONING, add_outcome_masks
+from verl_oar.engine_inputs import PREDICT as _PREDICT, REASONING as _REASONING, add_outcome_masks
 from verl_oar.estimators.oar_g import compute_oar_g_advantage
 from verl_oar.signals import TokenSignals, provide
 

@@ -44,6 +44,7 @@ __all__ = [
     "answer_token_masks",
     "decode_with_offsets",
     "find_answer_span",
+    "line_break_tokens",
     "locate_answer_tokens",
     "token_char_offsets",
 ]
@@ -371,3 +372,10 @@ def answer_token_masks(
         answer[row, positions] = torch.tensor(located[1], dtype=torch.bool)
     device = responses.device
     return reasoning.to(device), answer.to(device), found.to(device)
+
+
+def line_break_tokens(token_ids: Sequence[int], tokenizer: Any) -> list[bool]:
+    """Whether each token's text contains a line break: the tokens that end a reasoning step
+    (OAR-P's ``line`` occlusion mode)."""
+    text, offsets = decode_with_offsets(token_ids, tokenizer, skip_special_tokens=False)
+    return ["\n" in text[start:end] for start, end in offsets]

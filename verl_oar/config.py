@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 from verl_oar.importance.gradient import GradientConfig
+from verl_oar.importance.perturbation import PerturbationConfig
 from verl_oar.reshape import ReshapeConfig
 
 
@@ -43,6 +44,19 @@ class OARConfig:
     """OAR-G saliency: grad_x_input |<dJ/de_t, e_t>| (reference code) or grad_norm ||dJ/de_t||_2"""
     noise_std: float = 1e-3
     """std of the Gaussian noise added to reasoning-token embeddings (objective=noisy_kl)"""
+    perturb_mode: str = "exact"
+    """OAR-P occlusion unit: exact (each reasoning token: the paper's OAR-P), chunk (at most
+    ``perturb_budget`` contiguous chunks per response) or line (reasoning steps split at line breaks,
+    merged into at most ``perturb_budget`` groups); every token of a span gets the span's importance"""
+    perturb_budget: int = 16
+    """OAR-P: K, the most occluded copies per response in chunk and line modes (cost grows with K,
+    not with the response length)"""
+    perturb_token_id: int = -1
+    """OAR-P: the token an occluded token is replaced by; -1 = the tokenizer's pad token (else eos)"""
+    perturb_max_tokens: int = 0
+    """OAR-P: tokens per model call, copies x sequence length; 0 = verl's log-prob budget
+    (``log_prob_max_token_len_per_gpu`` with dynamic batch size, else ``log_prob_micro_batch_size_per_gpu``
+    copies)"""
     importance_model: str = "actor"
     """which model scores importance: actor (the rollout/old policy, default) or ref"""
     seed: int = 0
@@ -64,6 +78,17 @@ class OARConfig:
         # Build the sub-configs once so their own validation runs at start-up.
         self.reshape_config()
         self.gradient_config()
+        self.perturbation_config()
+        if not isinstance(self.perturb_token_id, int) or self.perturb_token_id < -1:
+            raise ValueError(
+                f"algorithm.oar.perturb_token_id={self.perturb_token_id!r} is invalid: a token id, or -1 for "
+                "the tokenizer's pad token."
+            )
+        if not isinstance(self.perturb_max_tokens, int) or self.perturb_max_tokens < 0:
+            raise ValueError(
+                f"algorithm.oar.perturb_max_tokens={self.perturb_max_tokens!r} is invalid: tokens per OAR-P "
+                "model call, an integer >= 1, or 0 for verl's log-prob budget."
+            )
 
     @classmethod
     def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OARConfig":
@@ -92,6 +117,11 @@ class OARConfig:
     def gradient_config(self) -> GradientConfig:
         return GradientConfig(
             outcome=self.outcome, objective=self.objective, saliency=self.saliency, noise_std=self.noise_std
+        )
+
+    def perturbation_config(self, share_prefix: bool = True) -> PerturbationConfig:
+        return PerturbationConfig(
+            outcome=self.outcome, mode=self.perturb_mode, budget=self.perturb_budget, share_prefix=share_prefix
         )
 
     def to_dict(self) -> dict[str, Any]:

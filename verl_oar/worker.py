@@ -16,7 +16,7 @@ from verl_oar.engine_importance import token_importance_on_training_worker
 
 
 class OARActorRolloutRefWorker(ActorRolloutRefWorker):
-    """verl's actor/rollout/ref worker plus OAR-G token importance on the same engines."""
+    """verl's actor/rollout/ref worker plus OAR token importance (OAR-G or OAR-P) on the same engines."""
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict | None:

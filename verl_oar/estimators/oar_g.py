@@ -1,4 +1,5 @@
-"""``oar_g``: GRPO's sequence advantage, redistributed over tokens by OAR-G importance.
+"""``oar_g``: GRPO's sequence advantage, redistributed over tokens by OAR-G importance
+(one gradient of the outcome w.r.t. the input embeddings).
 
 verl extension point: ``verl.trainer.ppo.core_algos.register_adv_est`` (via
 ``verl_oar.signals.register_token_estimator``); checked against verl 0.9.1.
@@ -9,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verl_oar.config import OARConfig
-from verl_oar.reshape import importance_to_weights, reshape_advantages, reshape_stats
-from verl_oar.signals import current_signals, register_token_estimator
+from verl_oar.estimators.reshaped_grpo import reshaped_grpo_advantage
+from verl_oar.signals import register_token_estimator
 from verl_oar.signals_importance import IMPORTANCE_FIELDS  # noqa: F401  (registers the provider)
 
 
@@ -24,40 +24,5 @@ def compute_oar_g_advantage(
     epsilon: float = 1e-6,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A_{i,t} = A_i * w~_{i,t}: GRPO advantage times OAR weights.
-
-    Args:
-        token_level_rewards: (bs, response_len) float; the outcome reward sits on the last token.
-        response_mask: (bs, response_len) 0/1; 0 on padding.
-        index: (bs,) group ids (verl's ``uid``): rollouts of one prompt share an id.
-        config: verl's ``algorithm`` config; OAR reads ``algorithm.oar.*``.
-
-    Returns:
-        (advantages, returns), both (bs, response_len), 0 on padding.
-    """
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
-    signals = current_signals("oar_g", response_mask)
-    oar = OARConfig.from_algorithm(config)
-    norm_by_std = bool((config or {}).get("norm_adv_by_std_in_grpo", True))
-    grpo_adv, _ = compute_grpo_outcome_advantage(
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        index=index,
-        epsilon=epsilon,
-        norm_adv_by_std_in_grpo=norm_by_std,
-    )
-    mask = response_mask.bool()
-    reasoning = signals["oar_reasoning_mask"].bool() & mask
-    found = (signals["oar_answer_mask"].bool() & mask).any(dim=1)
-    weights = importance_to_weights(signals["oar_importance"], reasoning, oar.reshape_config(), answer_found=found)
-    advantages = reshape_advantages(grpo_adv, weights) * response_mask
-    signals.metrics.update(
-        reshape_stats(
-            weights, reasoning, mask, grpo_adv, advantages, oar.reshape_config(), importance=signals["oar_importance"]
-        )
-    )
-    signals.artifacts.update(
-        grpo_advantages=grpo_adv, advantages=advantages, weights=weights.weights, fallback=weights.fallback
-    )
-    return advantages, advantages
+    """(advantages, returns), both (bs, response_len); see ``reshaped_grpo_advantage``."""
+    return reshaped_grpo_advantage("oar_g", token_level_rewards, response_mask, index, config, epsilon)
