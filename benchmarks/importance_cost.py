@@ -1,6 +1,7 @@
-"""OAR-G importance cost as a ratio to the log-prob pass on the same batch and model.
+"""OAR-G and OAR-P importance cost as a ratio to the log-prob pass on the same batch and model.
 
     python benchmarks/importance_cost.py [--sizes 8x128,8x256,4x512] [--repeats 5]
+        [--p-repeats 3] [--max-tokens 8192] [--budgets 4,16,64] [--line-len 8] [--naive-seqs 0] [--no-oar-p]
 
 Every row is timed in this process on the same random tiny Qwen2 (fp32, CPU, sdpa) and batch, and
 reported as the median over ``--repeats`` runs divided by the median of the log-prob pass (a no-grad
@@ -21,6 +22,29 @@ old-log-prob step, so their extra cost over plain GRPO is the fused total minus 
 
 Answers are the last 8 tokens of each response; reasoning is everything before them.
 
+OAR-P (``verl_oar.importance.perturbation``, occlusion by the neutral id 0, AS-MEAN) scores one
+sequence at a time, so its rows loop over the batch's sequences; each is timed as the median over
+``--p-repeats`` runs (warm-up: the first sequence) and reported per size as the ratio to the batched
+log-prob pass over the same sequences (= log-prob passes per sequence), to a log-prob pass run one
+sequence at a time, to ``noisy_kl (ours)`` above, and to the naive row. Rows:
+
+- ``OAR-P naive``: ``naive_perturbation_importance``: a clean and one occluded whole-sequence
+  forward per reasoning token, batch 1, no cache; its logits_fn computes only the answer-predicting
+  positions' logits (``logits_to_keep``), as ours does. ``--naive-seqs N`` times it on the first N
+  sequences only and scales linearly to the batch (labelled ``scaled``);
+- ``OAR-P exact (ours)``: ``perturbation_importance``, one span per reasoning token, copies batched up
+  to ``--max-tokens`` tokens per model call, each group continuing the clean pass's KV cache;
+- ``OAR-P exact, no prefix sharing``: the same batching, every copy recomputed from position 0: the
+  prefix saving alone is (no sharing - exact), the batching saving alone is (naive - no sharing);
+- ``OAR-P chunk K=...`` (``--budgets``): at most K contiguous chunks per response;
+- ``OAR-P line K=16``: reasoning steps of ``--line-len`` tokens (a line break ends every step),
+  merged into at most 16 spans.
+
+The columns spans/calls/tokens come from ``PerturbationCost`` (per sequence; tokens fed to the
+model, cached prefixes not counted). Before the timings, exact (with and without prefix sharing) and
+chunk K=16 are checked against the naive reference on the first sequence (max abs difference).
+A summary table then shows the growth with length: exact grows like R, budgeted modes stay flat.
+
 ``--memory`` adds a second table: the peak resident memory each computation adds, measured in a fresh
 subprocess per cell (Linux VmHWM, reset right before the run, minus VmRSS then), next to an actor
 update (forward, backward into the weights, one Adam step) on the same batch.
@@ -36,6 +60,14 @@ import time
 import torch
 
 from verl_oar.importance.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
+from verl_oar.importance.hf_prefix import HFPrefixModel
+from verl_oar.importance.perturbation import (
+    PerturbationConfig,
+    PerturbationCost,
+    naive_perturbation_importance,
+    occlusion_spans,
+    perturbation_importance,
+)
 from verl_oar.outcome import answer_log_likelihood
 
 
@@ -63,8 +95,8 @@ def make_batch(batch: int, length: int, vocab: int, answer_len: int = 8):
     return ids, reasoning, predict, targets, segment
 
 
-def time_it(fn, repeats: int) -> float:
-    fn()  # warm-up
+def time_it(fn, repeats: int, warmup=None) -> float:
+    (warmup or fn)()  # warm-up
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -127,6 +159,132 @@ def reference_structure(model, ids, reasoning, predict, targets, segment):
         out.append((embeds.grad * embeds.detach()).sum(-1).abs())
     model.zero_grad(set_to_none=True)
     return out
+
+
+NEUTRAL_ID = 0
+
+
+def line_ends(reasoning, line_len: int):
+    """(B, T) bool: every ``line_len``-th reasoning token ends a line (a reasoning step)."""
+    index = torch.cumsum(reasoning.long(), 1) - 1
+    return reasoning & (index % line_len == line_len - 1)
+
+
+def naive_logits_fn(model, keep):
+    """(1, L) ids -> (1, L, V) logits for ``naive_perturbation_importance``, computing only the ``keep``
+    positions' logits (the rest of the returned tensor is uninitialized and never read)."""
+
+    def logits_fn(ids):
+        kept = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+        out = kept.new_empty(ids.shape[0], ids.shape[1], kept.shape[-1])
+        out[:, keep] = kept
+        return out
+
+    return logits_fn
+
+
+class PerturbationRun:
+    """One OAR-P variant over the batch's sequences, one sequence at a time (as the worker does)."""
+
+    def __init__(self, model, prefix_model, ids, reasoning, predict, line_end, mode, budget, share_prefix,
+                 max_tokens, naive=False):
+        self.model, self.prefix_model, self.ids, self.predict = model, prefix_model, ids, predict
+        self.naive, self.max_tokens = naive, max_tokens
+        self.cfg = PerturbationConfig(outcome="mean", mode=mode, budget=budget, share_prefix=share_prefix)
+        self.positions = torch.arange(ids.shape[1])
+        self.spans = [occlusion_spans(reasoning[i], mode, budget, line_end[i]) for i in range(ids.shape[0])]
+
+    def sequence(self, i: int):
+        """(importance, cost) of sequence i."""
+        if self.naive:
+            keep = self.predict[i].nonzero().squeeze(1)
+            importance = naive_perturbation_importance(
+                naive_logits_fn(self.model, keep), self.ids[i], self.spans[i], self.predict[i], NEUTRAL_ID, "mean"
+            )
+            spans, length = int(self.spans[i].max()) + 1, self.ids.shape[1]
+            return importance, PerturbationCost(forwards=spans + 1, copies=spans, tokens=(spans + 1) * length,
+                                                peak_call_tokens=length)
+        return perturbation_importance(
+            self.prefix_model, self.ids[i], self.positions, self.spans[i], self.predict[i], NEUTRAL_ID, self.cfg,
+            max_tokens=self.max_tokens,
+        )
+
+    def __call__(self, sequences: int | None = None) -> PerturbationCost:
+        """Run the first ``sequences`` (default: all); return their summed cost."""
+        cost = PerturbationCost()
+        for i in range(self.ids.shape[0] if sequences is None else sequences):
+            cost.add(self.sequence(i)[1])
+        return cost
+
+
+def logprob_one_at_a_time(model, ids):
+    for i in range(ids.shape[0]):
+        logprob_pass(model, ids[i : i + 1])
+
+
+def perturbation_block(args, model, ids, reasoning, predict, logprob_s: float, oar_g_s: float):
+    """Time the OAR-P rows on one batch and print them; return R and each row's ratio to the log-prob pass."""
+    b, t = ids.shape
+    line_end = line_ends(reasoning, args.line_len)
+    prefix_model = HFPrefixModel(model)
+    r = int(reasoning[0].sum())
+
+    def run(mode, budget=16, share_prefix=True, naive=False):
+        return PerturbationRun(model, prefix_model, ids, reasoning, predict, line_end, mode, budget, share_prefix,
+                               args.max_tokens, naive=naive)
+
+    naive_seqs = min(b, args.naive_seqs) if args.naive_seqs > 0 else b
+    naive_label = "OAR-P naive" + (f" ({naive_seqs}/{b} seqs, scaled)" if naive_seqs < b else "")
+    exact = run("exact")
+    variants = [
+        ("OAR-P naive", naive_label, run("exact", naive=True)),
+        ("OAR-P exact (ours)", None, exact),
+        ("OAR-P exact, no prefix sharing", None, run("exact", share_prefix=False)),
+        *[(f"OAR-P chunk K={k}", None, run("chunk", k)) for k in args.budgets],
+        ("OAR-P line K=16", f"OAR-P line K=16 (lines of {args.line_len} tokens)", run("line", 16)),
+    ]
+
+    # sanity: ours equals the naive reference (same spans, same model) on the first sequence
+    naive_exact = run("exact", naive=True).sequence(0)[0]
+    naive_chunk = run("chunk", 16, naive=True).sequence(0)[0]
+    checks = [
+        (label, (variant.sequence(0)[0] - reference).abs().max().item())
+        for label, variant, reference in [
+            ("exact", exact, naive_exact),
+            ("exact, no prefix sharing", variants[2][2], naive_exact),
+            ("chunk K=16", run("chunk", 16), naive_chunk),
+        ]
+    ]
+
+    one_at_a_time = time_it(lambda: logprob_one_at_a_time(model, ids), args.repeats)
+    print(f"\nOAR-P, {b} x {t}: R={r} reasoning tokens/seq, 8 answer tokens; log-prob pass {logprob_s * 1e3:.1f} ms "
+          f"batched ({logprob_s / b * 1e3:.2f} ms/seq), {one_at_a_time / b * 1e3:.2f} ms/seq one sequence at a time; "
+          f"OAR-G noisy_kl {oar_g_s / logprob_s:.2f}x; --max-tokens {args.max_tokens}; median of {args.p_repeats}")
+    header = (f"{'variant':<42} | {'spans':>5} | {'calls':>5} | {'tokens':>6} | {'ms/seq':>8} | {'x log-prob':>10} | "
+              f"{'x 1-seq log-prob':>16} | {'x OAR-G':>8} | {'x naive':>7}")
+    print(header)
+    print("-" * len(header))
+    ratios, seconds_of = {}, {}
+    for key, label, variant in variants:
+        if variant.naive:  # cost by arithmetic; warm up on one sequence, time the first naive_seqs and scale
+            cost, counted = PerturbationCost(), naive_seqs
+            for i in range(naive_seqs):
+                spans = int(variant.spans[i].max()) + 1
+                cost.add(PerturbationCost(forwards=spans + 1, copies=spans, tokens=(spans + 1) * t))
+            seconds = time_it(lambda: variant(naive_seqs), args.p_repeats, warmup=lambda: variant(1)) * b / naive_seqs
+        else:  # the cost run over the whole batch is the warm-up
+            cost, counted = variant(), b
+            seconds = time_it(variant, args.p_repeats, warmup=lambda: None)
+        seconds_of[key], ratios[key] = seconds, seconds / logprob_s
+        print(f"{label or key:<42} | {cost.copies / counted:>5.0f} | {cost.forwards / counted:>5.0f} | "
+              f"{cost.tokens / counted:>6.0f} | {seconds / b * 1e3:>8.1f} | {seconds / logprob_s:>9.1f}x | "
+              f"{seconds / one_at_a_time:>15.1f}x | {seconds / oar_g_s:>7.1f}x | "
+              f"{seconds / seconds_of['OAR-P naive']:>6.3f}x")
+    print(f"exact / naive = {seconds_of['OAR-P exact (ours)'] / seconds_of['OAR-P naive']:.3f}x; "
+          f"no prefix sharing / naive = {seconds_of['OAR-P exact, no prefix sharing'] / seconds_of['OAR-P naive']:.3f}x")
+    print(f"check on sequence 0, max |ours - naive| (max |I| = {naive_exact.abs().max().item():.2e}): "
+          + ", ".join(f"{label} {diff:.1e}" for label, diff in checks))
+    return r, ratios
 
 
 def actor_update(model, ids):
@@ -194,11 +352,20 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (subprocess per cell)")
+    parser.add_argument("--no-oar-p", dest="oar_p", action="store_false", help="skip the OAR-P tables")
+    parser.add_argument("--p-repeats", type=int, default=3, help="repeats of each OAR-P row (median)")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="OAR-P token budget per model call")
+    parser.add_argument("--budgets", default="4,16,64", help="K of the OAR-P chunk rows")
+    parser.add_argument("--line-len", type=int, default=8, help="reasoning tokens per line in the line K=16 row")
+    parser.add_argument("--naive-seqs", type=int, default=0,
+                        help="time OAR-P naive on the first N sequences and scale to the batch (0: all)")
     parser.add_argument("--_peak", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._peak:
         print(peak_memory_mb(args._peak, args.sizes, args.vocab, args.hidden, args.layers))
         return
+    args.budgets = [int(k) for k in args.budgets.split(",") if k]
+    started = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = build_model(args.vocab, args.hidden, args.layers)
     print(f"command: python benchmarks/importance_cost.py {' '.join(sys.argv[1:])}".rstrip())
@@ -210,6 +377,7 @@ def main(argv=None) -> None:
     )
     print(header)
     print("-" * len(header))
+    batches = {}
     for size in args.sizes.split(","):
         b, t = (int(x) for x in size.lower().split("x"))
         ids, reasoning, predict, targets, segment = make_batch(b, t, args.vocab)
@@ -221,10 +389,21 @@ def main(argv=None) -> None:
             time_it(lambda: fused(model, ids, reasoning, predict, targets, segment), args.repeats),
             time_it(lambda: fused_noisy_kl(model, ids, reasoning, predict, targets, segment), args.repeats),
         ]
+        batches[size] = (ids, reasoning, predict, base, rows[1])
         cells = " | ".join(f"{r / base:>{w}.2f}x" for r, w in zip(rows, (18, 14, 12, 16, 18)))
         print(f"{size:>8} | {base * 1e3:>10.1f} ms | {cells}")
+    if args.oar_p:
+        summary = {size: perturbation_block(args, model, *batch) for size, batch in batches.items()}
+        print("\nOAR-P growth with length: x log-prob pass on the same batch (= log-prob passes per sequence)")
+        header = f"{'B x T':<32} | " + " | ".join(f"{size:>8}" for size in summary)
+        print(header)
+        print("-" * len(header))
+        print(f"{'R (reasoning tokens/seq)':<32} | " + " | ".join(f"{r:>8}" for r, _ in summary.values()))
+        for label in next(iter(summary.values()))[1]:
+            print(f"{label:<32} | " + " | ".join(f"{ratios[label]:>7.1f}x" for _, ratios in summary.values()))
     if args.memory:
         memory_table(args)
+    print(f"\nwall time: {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ SUMMARY_METRICS = (
     "oar/weight/frac_suppressed",
     "oar/fallback/frac_any",
     "oar/timing_s/token_importance",
+    "oar/perturb/copies_mean",
 )
 """printed per step at the end of a run (those present); everything else is in the metrics file"""
 
