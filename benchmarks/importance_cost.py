@@ -53,6 +53,7 @@ update (forward, backward into the weights, one Adam step) on the same batch.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -255,6 +256,16 @@ def perturbation_block(args, model, ids, reasoning, predict, logprob_s: float, o
             ("chunk K=16", run("chunk", 16), naive_chunk),
         ]
     ]
+
+    # the same in float64: what is left is rounding, not a different computation
+    model64 = copy.deepcopy(model).double()
+    prefix64 = HFPrefixModel(model64)
+    exact64 = PerturbationRun(model64, prefix64, ids[:1], reasoning[:1], predict[:1], line_end[:1], "exact", 16, True,
+                              args.max_tokens).sequence(0)[0]
+    naive64 = PerturbationRun(model64, prefix64, ids[:1], reasoning[:1], predict[:1], line_end[:1], "exact", 16, True,
+                              args.max_tokens, naive=True).sequence(0)[0]
+    checks.append(("exact in float64", (exact64 - naive64).abs().max().item()))
+    del model64, prefix64
 
     one_at_a_time = time_it(lambda: logprob_one_at_a_time(model, ids), args.repeats)
     print(f"\nOAR-P, {b} x {t}: R={r} reasoning tokens/seq, 8 answer tokens; log-prob pass {logprob_s * 1e3:.1f} ms "

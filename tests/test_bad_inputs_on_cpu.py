@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from verl_oar.cpu.workspace import build_tokenizer
 from verl_oar.engine_inputs import PREDICT as _PREDICT, REASONING as _REASONING, add_outcome_masks
 from verl_oar.estimators.oar_g import compute_oar_g_advantage
+from verl_oar.estimators.oar_p import compute_oar_p_advantage
 from verl_oar.signals import TokenSignals, provide
 
 
@@ -60,15 +61,15 @@ def test_outcome_masks_for_empty_length_one_truncated_and_left_padded(tokenizer)
     assert tokenizer.decode([responses[0][t] for t in torch.nonzero(answer[0]).flatten()]) == "4"
 
 
-def _run_estimator(rewards, importance, reasoning, answer, length):
+def _run_estimator(rewards, importance, reasoning, answer, length, estimator=compute_oar_g_advantage, mask=None):
     bs = len(rewards)
     token_level_rewards = torch.zeros(bs, length)
     token_level_rewards[:, -1] = torch.tensor(rewards)
-    mask = torch.ones(bs, length)
+    mask = torch.ones(bs, length) if mask is None else mask
     index = np.array(["g"] * bs, dtype=object)
     signals = TokenSignals(tensors={"oar_importance": importance, "oar_reasoning_mask": reasoning, "oar_answer_mask": answer})
     with provide(signals):
-        adv, _ = compute_oar_g_advantage(token_level_rewards=token_level_rewards, response_mask=mask, index=index, config={})
+        adv, _ = estimator(token_level_rewards=token_level_rewards, response_mask=mask, index=index, config={})
     return adv, signals.metrics
 
 
@@ -101,7 +102,8 @@ def test_all_rewards_equal_gives_zero_advantages_without_nan():
     assert all(np.isfinite(v) for v in metrics.values())
 
 
-def test_no_answer_and_no_reasoning_fall_back_and_are_counted_separately():
+@pytest.mark.parametrize("estimator", [compute_oar_g_advantage, compute_oar_p_advantage], ids=["oar_g", "oar_p"])
+def test_no_answer_and_no_reasoning_fall_back_and_are_counted_separately(estimator):
     length = 5
     reasoning = torch.zeros(3, length, dtype=torch.long)
     answer = torch.zeros(3, length, dtype=torch.long)
@@ -109,7 +111,7 @@ def test_no_answer_and_no_reasoning_fall_back_and_are_counted_separately():
     answer[0, 3] = 1  # normal
     answer[1, 0] = 1  # answer first: nothing to reshape
     # row 2: truncated, no answer
-    adv, metrics = _run_estimator([1.0, 0.0, 0.5], torch.rand(3, length), reasoning, answer, length)
+    adv, metrics = _run_estimator([1.0, 0.0, 0.5], torch.rand(3, length), reasoning, answer, length, estimator)
     for row in (1, 2):
         assert torch.allclose(adv[row], adv[row, 0].expand(length))
     assert metrics["fallback/frac_no_answer"] == pytest.approx(1 / 3)
@@ -122,3 +124,21 @@ def test_signals_that_do_not_line_up_with_the_batch_are_refused():
     with provide(signals), pytest.raises(RuntimeError, match="do not line up"):
         compute_oar_g_advantage(token_level_rewards=torch.zeros(2, 4), response_mask=torch.ones(2, 4),
                                 index=np.array(["a", "a"], dtype=object), config={})
+
+
+def test_oar_p_short_response_after_a_long_padded_prompt_keeps_its_own_tokens():
+    """The reference code wrote weights to ``[:len]`` of the padded row; here a 2-token response with
+    no answer, next to a long one, takes the counted fallback on exactly its own tokens."""
+    length = 8
+    mask = torch.ones(2, length)
+    mask[1, 2:] = 0  # the short response: 2 tokens, then padding
+    reasoning = torch.zeros(2, length, dtype=torch.long)
+    answer = torch.zeros(2, length, dtype=torch.long)
+    reasoning[0, :6] = 1
+    answer[0, 6] = 1
+    importance = torch.rand(2, length) * reasoning
+    adv, metrics = _run_estimator([1.0, 0.0], importance, reasoning, answer, length, compute_oar_p_advantage, mask)
+    assert metrics["fallback/frac_no_answer"] == pytest.approx(0.5)
+    assert torch.all(adv[1, 2:] == 0) and torch.allclose(adv[1, :2], adv[1, 0].expand(2)) and adv[1, 0] < 0
+    assert not torch.allclose(adv[0, :6], adv[0, 0].expand(6))  # the long one is reshaped
+    torch.testing.assert_close(adv[0].sum(), adv[0, 7] * length, rtol=1e-5, atol=1e-5)  # mass preserved
