@@ -10,7 +10,7 @@ import torch
 
 from verl_oar.config import OARConfig
 from verl_oar.reshape import importance_to_weights, reshape_advantages, reshape_stats
-from verl_oar.signals import current_signals
+from verl_oar.signals import current_signals, register_token_estimator
 
 
 def reshaped_grpo_advantage(
@@ -59,3 +59,22 @@ def reshaped_grpo_advantage(
         grpo_advantages=grpo_adv, advantages=advantages, weights=weights.weights, fallback=weights.fallback
     )
     return advantages, advantages
+
+
+def register_reshaped_grpo(name: str):
+    """Register ``name`` in verl's advantage registry as :func:`reshaped_grpo_advantage` over the
+    ``token_importance`` signal; returns the registered function (verl's estimator signature)."""
+
+    def estimator(
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        index: np.ndarray,
+        config=None,
+        epsilon: float = 1e-6,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return reshaped_grpo_advantage(name, token_level_rewards, response_mask, index, config, epsilon)
+
+    estimator.__qualname__ = estimator.__name__ = f"compute_{name}_advantage"
+    estimator.__doc__ = f"``{name}``: (advantages, returns), both (bs, response_len); see ``reshaped_grpo_advantage``."
+    return register_token_estimator(name, needs=("token_importance",))(estimator)
