@@ -1,7 +1,9 @@
 """OAR-G and OAR-P importance cost as a ratio to the log-prob pass on the same batch and model.
 
     python benchmarks/importance_cost.py [--sizes 8x128,8x256,4x512] [--repeats 5]
-        [--p-repeats 3] [--max-tokens 8192] [--budgets 4,16,64] [--line-len 8] [--naive-seqs 0] [--no-oar-p]
+        [--p-repeats 3] [--max-tokens 8192] [--budgets 4,16,64] [--line-len 8] [--naive-seqs 2] [--no-oar-p]
+
+The defaults take 6-7 minutes on 2 idle CPU cores (``--no-oar-p``: the OAR-G table alone, about 1).
 
 Every row is timed in this process on the same random tiny Qwen2 (fp32, CPU, sdpa) and batch, and
 reported as the median over ``--repeats`` runs divided by the median of the log-prob pass (a no-grad
@@ -23,15 +25,20 @@ old-log-prob step, so their extra cost over plain GRPO is the fused total minus 
 Answers are the last 8 tokens of each response; reasoning is everything before them.
 
 OAR-P (``verl_oar.importance.perturbation``, occlusion by the neutral id 0, AS-MEAN) scores one
-sequence at a time, so its rows loop over the batch's sequences; each is timed as the median over
-``--p-repeats`` runs (warm-up: the first sequence) and reported per size as the ratio to the batched
-log-prob pass over the same sequences (= log-prob passes per sequence), to a log-prob pass run one
-sequence at a time, to ``noisy_kl (ours)`` above, and to the naive row. Rows:
+sequence at a time, so its rows loop over the batch's sequences (the same batch as the OAR-G rows).
+Per size, the OAR-P rows, the log-prob pass (batched, and one sequence at a time) and ``noisy_kl
+(ours)`` (these three 3 times a round) are timed again together in ``--p-repeats`` round-robin rounds
+(warm-up: the first sequence), so that a slow spell of a shared machine slows every row alike; each
+row's median is reported as the
+ratio to the batched log-prob pass over the same sequences (``x log-prob``, i.e. log-prob passes per
+sequence), to the log-prob pass run one sequence at a time (``x 1-seq log-prob``), to ``noisy_kl
+(ours)`` (``x OAR-G``), and to the naive row. Rows:
 
 - ``OAR-P naive``: ``naive_perturbation_importance``: a clean and one occluded whole-sequence
   forward per reasoning token, batch 1, no cache; its logits_fn computes only the answer-predicting
-  positions' logits (``logits_to_keep``), as ours does. ``--naive-seqs N`` times it on the first N
-  sequences only and scales linearly to the batch (labelled ``scaled``);
+  positions' logits (``logits_to_keep``), as ours does. It is timed on the first ``--naive-seqs``
+  sequences (default 2; 0: all) and scaled linearly to the batch (labelled ``scaled``): every
+  sequence has the same length and spans, so this only saves time;
 - ``OAR-P exact (ours)``: ``perturbation_importance``, one span per reasoning token, copies batched up
   to ``--max-tokens`` tokens per model call, each group continuing the clean pass's KV cache;
 - ``OAR-P exact, no prefix sharing``: the same batching, every copy recomputed from position 0: the
@@ -40,12 +47,14 @@ sequence at a time, to ``noisy_kl (ours)`` above, and to the naive row. Rows:
 - ``OAR-P line K=16``: reasoning steps of ``--line-len`` tokens (a line break ends every step),
   merged into at most 16 spans.
 
-The columns spans/calls/tokens come from ``PerturbationCost`` (per sequence; tokens fed to the
-model, cached prefixes not counted). Before the timings, exact (with and without prefix sharing) and
-chunk K=16 are checked against the naive reference on the first sequence (max abs difference).
-A summary table then shows the growth with length: exact grows like R, budgeted modes stay flat.
+The columns spans / calls / tokens are ``PerturbationCost``'s copies / forwards / tokens per sequence
+(tokens fed to the model; cached prefixes are not counted). Before the timings, exact (with and
+without prefix sharing) and chunk K=16 are checked against the naive reference with the same spans on
+the first sequence (max abs difference, fp32; at the first size also in float64). A summary table
+then shows the growth with length: exact grows like R (and naive like R x T), budgeted modes stay
+about flat in log-prob passes.
 
-``--memory`` adds a second table: the peak resident memory each computation adds, measured in a fresh
+``--memory`` adds a table: the peak resident memory each computation adds, measured in a fresh
 subprocess per cell (Linux VmHWM, reset right before the run, minus VmRSS then), next to an actor
 update (forward, backward into the weights, one Adam step) on the same batch.
 """
@@ -57,6 +66,7 @@ import copy
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -218,13 +228,31 @@ class PerturbationRun:
         return cost
 
 
+def time_interleaved(timers: dict, rounds: int) -> tuple[dict, dict]:
+    """Median seconds of each ``(run, warm-up, n)`` in ``timers``, timed in ``rounds`` round-robin rounds
+    so that a slow spell of the machine slows every row alike, not just the one running then (a short
+    run is repeated ``n`` times per round, each timed); also the last value each run returned."""
+    for _, warmup, _ in timers.values():
+        warmup()
+    samples, results = {key: [] for key in timers}, {}
+    for _ in range(rounds):
+        for key, (fn, _, n) in timers.items():
+            for _ in range(n):
+                start = time.perf_counter()
+                results[key] = fn()
+                samples[key].append(time.perf_counter() - start)
+    return {key: statistics.median(v) for key, v in samples.items()}, results
+
+
 def logprob_one_at_a_time(model, ids):
     for i in range(ids.shape[0]):
         logprob_pass(model, ids[i : i + 1])
 
 
-def perturbation_block(args, model, ids, reasoning, predict, logprob_s: float, oar_g_s: float):
-    """Time the OAR-P rows on one batch and print them; return R and each row's ratio to the log-prob pass."""
+def perturbation_block(args, model, ids, reasoning, predict, targets, segment, check64: bool):
+    """Time the OAR-P rows on one batch and print them; return R and each row's ratio to the log-prob pass.
+
+    The log-prob passes and OAR-G's noisy_kl row are timed again here, interleaved with the OAR-P rows."""
     b, t = ids.shape
     line_end = line_ends(reasoning, args.line_len)
     prefix_model = HFPrefixModel(model)
@@ -235,7 +263,7 @@ def perturbation_block(args, model, ids, reasoning, predict, logprob_s: float, o
                                args.max_tokens, naive=naive)
 
     naive_seqs = min(b, args.naive_seqs) if args.naive_seqs > 0 else b
-    naive_label = "OAR-P naive" + (f" ({naive_seqs}/{b} seqs, scaled)" if naive_seqs < b else "")
+    naive_label = "OAR-P naive" + (f" (timed on {naive_seqs}/{b} seqs, scaled)" if naive_seqs < b else "")
     exact = run("exact")
     variants = [
         ("OAR-P naive", naive_label, run("exact", naive=True)),
@@ -257,36 +285,42 @@ def perturbation_block(args, model, ids, reasoning, predict, logprob_s: float, o
         ]
     ]
 
-    # the same in float64: what is left is rounding, not a different computation
-    model64 = copy.deepcopy(model).double()
-    prefix64 = HFPrefixModel(model64)
-    exact64 = PerturbationRun(model64, prefix64, ids[:1], reasoning[:1], predict[:1], line_end[:1], "exact", 16, True,
-                              args.max_tokens).sequence(0)[0]
-    naive64 = PerturbationRun(model64, prefix64, ids[:1], reasoning[:1], predict[:1], line_end[:1], "exact", 16, True,
-                              args.max_tokens, naive=True).sequence(0)[0]
-    checks.append(("exact in float64", (exact64 - naive64).abs().max().item()))
-    del model64, prefix64
+    shared_vs_not = "identical" if torch.equal(exact.sequence(0)[0], variants[2][2].sequence(0)[0]) else "differ"
+    if check64:  # the same in float64: what is left above is rounding, not a different computation
+        model64 = copy.deepcopy(model).double()
+        prefix64 = HFPrefixModel(model64)
+        exact64, naive64 = (
+            PerturbationRun(model64, prefix64, ids[:1], reasoning[:1], predict[:1], line_end[:1], "exact", 16, True,
+                            args.max_tokens, naive=naive).sequence(0)[0]
+            for naive in (False, True)
+        )
+        checks.append(("exact in float64", (exact64 - naive64).abs().max().item()))
+        del model64, prefix64
 
-    one_at_a_time = time_it(lambda: logprob_one_at_a_time(model, ids), args.repeats)
+    oar_g = partial(ours, model, ids, reasoning, predict, targets, segment, "noisy_kl")
+    timers = {  # the short baselines run 3 times a round
+        "log-prob": (partial(logprob_pass, model, ids), partial(logprob_pass, model, ids), 3),
+        "1-seq log-prob": (partial(logprob_one_at_a_time, model, ids), partial(logprob_pass, model, ids[:1]), 3),
+        "OAR-G": (oar_g, oar_g, 3),
+    }
+    for key, _, variant in variants:  # warm-up: the first sequence
+        timers[key] = (partial(variant, naive_seqs if variant.naive else b), partial(variant, 1), 1)
+    seconds_of, costs = time_interleaved(timers, args.p_repeats)
+    seconds_of["OAR-P naive"] *= b / naive_seqs
+    logprob_s, one_at_a_time, oar_g_s = (seconds_of[key] for key in ("log-prob", "1-seq log-prob", "OAR-G"))
+
     print(f"\nOAR-P, {b} x {t}: R={r} reasoning tokens/seq, 8 answer tokens; log-prob pass {logprob_s * 1e3:.1f} ms "
           f"batched ({logprob_s / b * 1e3:.2f} ms/seq), {one_at_a_time / b * 1e3:.2f} ms/seq one sequence at a time; "
-          f"OAR-G noisy_kl {oar_g_s / logprob_s:.2f}x; --max-tokens {args.max_tokens}; median of {args.p_repeats}")
+          f"OAR-G noisy_kl {oar_g_s / logprob_s:.2f}x; --max-tokens {args.max_tokens}; "
+          f"medians of {args.p_repeats} interleaved rounds")
     header = (f"{'variant':<42} | {'spans':>5} | {'calls':>5} | {'tokens':>6} | {'ms/seq':>8} | {'x log-prob':>10} | "
               f"{'x 1-seq log-prob':>16} | {'x OAR-G':>8} | {'x naive':>7}")
     print(header)
     print("-" * len(header))
-    ratios, seconds_of = {}, {}
+    ratios = {}
     for key, label, variant in variants:
-        if variant.naive:  # cost by arithmetic; warm up on one sequence, time the first naive_seqs and scale
-            cost, counted = PerturbationCost(), naive_seqs
-            for i in range(naive_seqs):
-                spans = int(variant.spans[i].max()) + 1
-                cost.add(PerturbationCost(forwards=spans + 1, copies=spans, tokens=(spans + 1) * t))
-            seconds = time_it(lambda: variant(naive_seqs), args.p_repeats, warmup=lambda: variant(1)) * b / naive_seqs
-        else:  # the cost run over the whole batch is the warm-up
-            cost, counted = variant(), b
-            seconds = time_it(variant, args.p_repeats, warmup=lambda: None)
-        seconds_of[key], ratios[key] = seconds, seconds / logprob_s
+        counted, cost, seconds = naive_seqs if variant.naive else b, costs[key], seconds_of[key]
+        ratios[key] = seconds / logprob_s
         print(f"{label or key:<42} | {cost.copies / counted:>5.0f} | {cost.forwards / counted:>5.0f} | "
               f"{cost.tokens / counted:>6.0f} | {seconds / b * 1e3:>8.1f} | {seconds / logprob_s:>9.1f}x | "
               f"{seconds / one_at_a_time:>15.1f}x | {seconds / oar_g_s:>7.1f}x | "
@@ -294,7 +328,8 @@ def perturbation_block(args, model, ids, reasoning, predict, logprob_s: float, o
     print(f"exact / naive = {seconds_of['OAR-P exact (ours)'] / seconds_of['OAR-P naive']:.3f}x; "
           f"no prefix sharing / naive = {seconds_of['OAR-P exact, no prefix sharing'] / seconds_of['OAR-P naive']:.3f}x")
     print(f"check on sequence 0, max |ours - naive| (max |I| = {naive_exact.abs().max().item():.2e}): "
-          + ", ".join(f"{label} {diff:.1e}" for label, diff in checks))
+          + ", ".join(f"{label} {diff:.1e}" for label, diff in checks)
+          + f"; exact with and without prefix sharing: {shared_vs_not}")
     return r, ratios
 
 
@@ -368,7 +403,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=8192, help="OAR-P token budget per model call")
     parser.add_argument("--budgets", default="4,16,64", help="K of the OAR-P chunk rows")
     parser.add_argument("--line-len", type=int, default=8, help="reasoning tokens per line in the line K=16 row")
-    parser.add_argument("--naive-seqs", type=int, default=0,
+    parser.add_argument("--naive-seqs", type=int, default=2,
                         help="time OAR-P naive on the first N sequences and scale to the batch (0: all)")
     parser.add_argument("--_peak", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -400,11 +435,12 @@ def main(argv=None) -> None:
             time_it(lambda: fused(model, ids, reasoning, predict, targets, segment), args.repeats),
             time_it(lambda: fused_noisy_kl(model, ids, reasoning, predict, targets, segment), args.repeats),
         ]
-        batches[size] = (ids, reasoning, predict, base, rows[1])
+        batches[size] = (ids, reasoning, predict, targets, segment)
         cells = " | ".join(f"{r / base:>{w}.2f}x" for r, w in zip(rows, (18, 14, 12, 16, 18)))
         print(f"{size:>8} | {base * 1e3:>10.1f} ms | {cells}")
     if args.oar_p:
-        summary = {size: perturbation_block(args, model, *batch) for size, batch in batches.items()}
+        summary = {size: perturbation_block(args, model, *batch, check64=n == 0)
+                   for n, (size, batch) in enumerate(batches.items())}
         print("\nOAR-P growth with length: x log-prob pass on the same batch (= log-prob passes per sequence)")
         header = f"{'B x T':<32} | " + " | ".join(f"{size:>8}" for size in summary)
         print(header)

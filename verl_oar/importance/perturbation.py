@@ -20,7 +20,8 @@ Speed (all of it exact, no approximation):
 * copies are batched: consecutive spans form a group that shares the prefix before the group's first
   span; each group holds at most ``max_tokens // end`` copies of ``end`` tokens (prefix included), a
   token budget like verl's dynamic batch size. A copy whose span starts later than its group's
-  first span recomputes those few clean tokens: that waste is bounded by the group size.
+  first span recomputes those clean tokens; a group closes before that exceeds ``WASTE_FRACTION``
+  of its continuation (it matters for long spans, i.e. the budgeted modes).
 
 The model is a callable (see :class:`PrefixModel`), so this file has no transformers or verl import;
 ``verl_oar.importance.hf_prefix`` adapts a transformers causal LM. No gradient is computed.
@@ -161,6 +162,25 @@ def _outcome(logits: Tensor, targets: Tensor, copies: int, outcome: str) -> Tens
     return outcome_statistic(logits.reshape(m * k, v), targets.repeat(m), segment, copies, outcome)
 
 
+WASTE_FRACTION = 0.25
+"""A group of copies closes when its next span starts this fraction of the continuation past the
+group's first span: the clean tokens every later copy recomputes stay a bounded share of the work."""
+
+
+def _groups(spans: list[int], starts: Tensor, end: int, rows: int, share_prefix: bool) -> list[list[int]]:
+    """Consecutive spans batched into one model call each: at most ``rows`` copies, and (with prefix
+    sharing) starts within ``WASTE_FRACTION`` of the continuation after the group's first span."""
+    groups: list[list[int]] = []
+    for s in spans:
+        if groups and len(groups[-1]) < rows:
+            p0 = int(starts[groups[-1][0]])
+            if not share_prefix or int(starts[s]) - p0 <= WASTE_FRACTION * (end - p0):
+                groups[-1].append(s)
+                continue
+        groups.append([s])
+    return groups
+
+
 def perturbation_importance(
     model: PrefixModel,
     ids: Tensor,
@@ -207,8 +227,7 @@ def perturbation_importance(
         logits, past = model(ids[None, :end], positions[None, :end], keep, cache=cfg.share_prefix)
         clean = _outcome(logits.float() / temperature, targets, 1, cfg.outcome)
         cost.add(PerturbationCost(forwards=1, tokens=end, peak_call_tokens=end))
-        for first in range(0, len(live), rows_per_call):
-            group = live[first : first + rows_per_call]
+        for group in _groups(live, starts, end, rows_per_call, cfg.share_prefix):
             p0 = int(starts[group[0]]) if cfg.share_prefix else 0
             rows = ids[p0:end].repeat(len(group), 1)
             for j, s in enumerate(group):
