@@ -120,6 +120,8 @@ def main(out_dir: str) -> None:
             "distinct_values": [int(torch.unique(g[g != 0]).numel()) for g in got],
             "copies": output["oar_perturb_copies"].tolist(),
             "passes": output["oar_perturb_passes"].tolist(),
+            "peak_tokens": output["oar_perturb_peak_tokens"].tolist(),
+            "lengths": [len(p) + len(r) for p, r in zip(prompts, responses)],
         }), flush=True)
         del worker
 

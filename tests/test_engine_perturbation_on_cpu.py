@@ -76,3 +76,14 @@ def test_one_copy_per_span_and_one_value_per_span(cases):
             assert case["copies"][-1] == 3 and max(case["copies"][:-1]) == 1, case
         if case["mode"] == "exact":  # prefix sharing: far fewer tokens than one pass per copy
             assert all(p < 0.7 * c for p, c in zip(case["passes"], case["copies"]) if c > 10), case
+
+
+def test_copies_stay_within_verls_log_prob_token_budget(cases):
+    # dynamic batch size: log_prob_max_token_len_per_gpu=96 tokens per call; otherwise the
+    # micro-batch size, in sequences of the sample's length
+    for case in cases:
+        for peak, length in zip(case["peak_tokens"], case["lengths"]):
+            budget = 96 if case["use_dynamic_bsz"] else case["micro_bsz"] * length
+            assert peak <= budget, (_name(case), peak, budget)
+        if not case["use_dynamic_bsz"] and case["micro_bsz"] > 1:  # several copies shared a call
+            assert max(case["peak_tokens"]) > max(case["lengths"]), case

@@ -10,7 +10,8 @@ from _e2e import OAR_KEYS, check_reshaped_exactly_where_importance_varies, launc
 from verl_oar.cpu.launch import read_metrics
 from verl_oar.cpu.overrides import metrics_file
 
-PERTURB_KEYS = ("oar/perturb/copies_mean", "oar/perturb/copies_max", "oar/perturb/cost_passes_mean")
+PERTURB_KEYS = ("oar/perturb/copies_mean", "oar/perturb/copies_max", "oar/perturb/cost_passes_mean",
+                "oar/perturb/peak_call_tokens")
 
 
 @pytest.mark.slow

@@ -65,7 +65,8 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
         On ranks that report outputs, a TensorDict in the order of ``data`` with nested
         (bs, response_len) fields ``oar_importance`` (float32), ``oar_reasoning_mask`` and
         ``oar_answer_mask`` (int64); for OAR-P also (bs,) float32 ``oar_perturb_copies`` (occluded
-        copies scored) and ``oar_perturb_passes`` (tokens fed to the model / sequence length);
+        copies scored), ``oar_perturb_passes`` (tokens fed to the model / sequence length) and
+        ``oar_perturb_peak_tokens`` (the sample's largest model call, rows x tokens);
         ``None`` on other ranks (as verl's ``infer_batch``).
     """
     from verl.utils import tensordict_utils as tu
@@ -108,7 +109,7 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
         micro_batches, indices = prepare_micro_batches(
             data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
         )
-        rows, model_outputs, copies, passes = [], {}, [], []
+        rows, model_outputs, copies, passes, peaks = [], {}, [], [], []
         for micro_batch in micro_batches:
             if perturb:
                 importance, costs = perturbation_micro_batch(
@@ -117,6 +118,7 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
                 lengths = micro_batch["input_ids"].offsets().diff().tolist()
                 copies.extend(float(c.copies) for c in costs)
                 passes.extend(c.tokens / max(n, 1) for c, n in zip(costs, lengths, strict=True))
+                peaks.extend(float(c.peak_call_tokens) for c in costs)
                 outputs = None
             else:
                 importance, outputs = gradient_micro_batch(engine, micro_batch, cfg, step, with_log_probs)
@@ -126,7 +128,10 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
     dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
     importance = nested(rows)
     model_outputs = {key: nested(value) for key, value in model_outputs.items()}
-    per_sample = {"oar_perturb_copies": torch.tensor(copies), "oar_perturb_passes": torch.tensor(passes)} if perturb else {}
+    per_sample = {}
+    if perturb:
+        per_sample = {"oar_perturb_copies": torch.tensor(copies), "oar_perturb_passes": torch.tensor(passes),
+                      "oar_perturb_peak_tokens": torch.tensor(peaks)}
     if dynamic:
         importance = restore_dynamic_batch(importance, indices)
         model_outputs = {key: restore_dynamic_batch(value, indices) for key, value in model_outputs.items()}

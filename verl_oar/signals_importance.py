@@ -20,7 +20,7 @@ IMPORTANCE_FIELDS = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask")
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
 IMPORTANCE_METHOD = {"oar_g": "gradient", "oar_p": "perturbation"}
 """estimator name -> how its importance is measured (``verl_oar.engine_importance.METHODS``)"""
-PERTURBATION_COST_FIELDS = ("oar_perturb_copies", "oar_perturb_passes")
+PERTURBATION_COST_FIELDS = ("oar_perturb_copies", "oar_perturb_passes", "oar_perturb_peak_tokens")
 """(bs,) float32 per-sample cost written by OAR-P workers, read back for metrics"""
 
 
@@ -128,4 +128,5 @@ def _perturbation_cost_metrics(batch) -> dict[str, float]:
         "oar/perturb/copies_mean": float(copies.mean()),
         "oar/perturb/copies_max": float(copies.max()),
         "oar/perturb/cost_passes_mean": float(passes.mean()),
+        "oar/perturb/peak_call_tokens": float(cost["oar_perturb_peak_tokens"].float().max()),
     }
