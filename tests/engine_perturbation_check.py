@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_importance_check import PROMPTS, RESPONSES, build_model_dir, build_worker, make_batch, same, snapshot  # noqa: E402
 
 # a response shorter than the padding in front of its (left-padded) prompt, and one with line breaks
-EXTRA_PROMPTS = ["<|endoftext|>" * 6 + "What is 1+0?", "What is 5+5?"]
+EXTRA_PROMPTS = ["<|endoftext|>" * 16 + "What is 1+0?", "What is 5+5?"]
 EXTRA_RESPONSES = ["1 \\boxed{1}", "5 and 5.\nThat is ten.\nSo \\boxed{10}"]
 
 
