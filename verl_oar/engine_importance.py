@@ -8,7 +8,6 @@ The driver shared by both methods: ``gradient`` (OAR-G, ``engine_gradient``) and
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -76,7 +75,6 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
     from verl_oar.engine_gradient import gradient_micro_batch
     from verl_oar.engine_perturbation import perturbation_micro_batch
 
-    started = time.perf_counter()
     engine = worker.engine
     cfg = OARConfig(**tu.get(data, key="oar_config"))
     step = int(tu.get(data, key="oar_step", default=0))
@@ -153,5 +151,4 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
         },
         batch_size=[len(resp_rows)],
     )
-    tu.assign_non_tensor(out, metrics={"oar/timing_s/importance_worker": time.perf_counter() - started})
     return out
