@@ -79,16 +79,21 @@ def run(
     from verl_oar.cpu.workspace import build_workspace
 
     ws = build_workspace(workdir)
-    metrics_path = metrics_file(ws.root, experiment_name)
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    metrics_path.unlink(missing_ok=True)
     overrides = cpu_overrides(
         ws.root, steps=steps, adv_estimator=adv_estimator, use_v1=use_v1, experiment_name=experiment_name
     ) + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s)
+
+
+def run_trainer(cmd: list[str], metrics_path: Path, *, cwd: Path, timeout_s: float | None = None) -> int:
+    """Run a trainer command in CPU mode (``trainer_env``), stream its output, print a per-step
+    summary from verl's file logger; return its exit code (124 on timeout)."""
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    metrics_path.unlink(missing_ok=True)
     print("[verl-oar cpu] running: VERL_PLATFORM=cpu " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     start = time.time()
-    proc = subprocess.Popen(cmd, env=trainer_env(metrics_path), cwd=str(ws.root), start_new_session=True)
+    proc = subprocess.Popen(cmd, env=trainer_env(metrics_path), cwd=str(cwd), start_new_session=True)
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,152 @@
+"""Run a shrunk copy of a recipe (``recipes/config/<recipe>.yaml``) for a step or two on this CPU machine.
+
+    python -m verl_oar.cpu.recipe qwen2_5_math_1_5b_oar_g [--steps 1] [--workdir DIR] [hydra overrides...]
+
+The copy goes through the recipe's own launcher, ``bash recipes/run_<recipe>.sh``: the recipe's Hydra
+config and its defaults chain, ``recipes/launch.sh``'s arguments, verl's config validation, OAR's
+start-up checks and ``python -m verl.trainer.main_ppo`` are those of a cluster run. Appended
+overrides (:func:`recipe_cpu_overrides`) change only
+
+- what a CPU machine cannot run: the hf rollout instead of vLLM, one pretend GPU, fp32, SDPA
+  attention, no torch.compile, one TransferQueue storage unit (see ``overrides.py`` for why each);
+- the sizes: the tiny model and arithmetic data of the CPU workspace instead of Qwen2.5-Math and
+  MATH/GSM8K, 64 + 48 tokens instead of 1024 + 3072, 2 prompts per step in 2 PPO mini-batches
+  (the recipe's 128 in 2), no validation, no checkpoints, ``steps`` steps.
+
+Everything else is the recipe's: the estimator and ``algorithm.oar``, n responses per prompt, the
+loss (KL loss, clip ratio, token-mean, entropy coefficient), dynamic batch size and token budgets,
+gradient checkpointing, offload, the math-verify reward.
+
+Only a GPU runs what the copy replaces (:data:`GPU_ONLY`). A Megatron recipe is refused here:
+megatron-core needs CUDA, and its FSDP2 twin is the recipe of the same name without ``_megatron``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from verl_oar.cpu.launch import DEFAULT_WORKDIR, run_trainer
+from verl_oar.cpu.overrides import metrics_file
+
+RECIPES_DIR = Path(os.environ.get("VERL_OAR_RECIPES_DIR", Path(__file__).resolve().parents[2] / "recipes"))
+"""the repository's recipes/ folder (an editable install of verl-oar); ``$VERL_OAR_RECIPES_DIR`` overrides"""
+
+GPU_ONLY = (
+    "vLLM rollout (the copy uses the hf rollout: transformers generate)",
+    "Megatron engine (megatron-core needs CUDA; Megatron recipes are composed and validated only)",
+    "bf16 mixed precision and flash attention (the copy runs fp32 with SDPA)",
+    "several GPUs and nodes: data parallel sharding, vLLM tensor parallel, Ray placement across nodes",
+    "the real model, data and lengths (Qwen2.5-Math, MATH/GSM8K, 1024 + 3072 tokens) and their memory",
+    "validation on the evaluation sets and checkpoint saving",
+)
+"""what a recipe has and its CPU copy does not run"""
+
+
+def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experiment_name: str) -> list[str]:
+    """Overrides appended after a recipe's own, turning it into a CPU run over the CPU workspace."""
+    ws = Path(workspace_dir).expanduser().resolve()
+    fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+    return [
+        # --- sizes: workspace model and data, short sequences, 2 prompts in 2 mini-batches ---
+        f"actor_rollout_ref.model.path={ws / 'model'}",
+        f"data.train_files={ws / 'data' / 'train.parquet'}",
+        f"data.val_files={ws / 'data' / 'val.parquet'}",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "data.max_prompt_length=64",
+        "data.max_response_length=48",
+        "actor_rollout_ref.rollout.max_model_len=null",
+        "data.dataloader_num_workers=0",
+        # --- required on CPU (overrides.py says why) ---
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={fp32}",
+        f"+actor_rollout_ref.ref.fsdp_config.mixed_precision={fp32}",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+        "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "reward.num_workers=1",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        "+ray_kwargs.ray_init.num_gpus=1",
+        "ray_kwargs.ray_init.num_cpus=8",
+        # --- a short run: no validation, no checkpoints, local logging ---
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={ws / 'checkpoints'}",
+        "trainer.logger=[console,file]",
+        "trainer.log_val_generations=0",
+        f"trainer.experiment_name={experiment_name}",
+    ]
+
+
+def recipe_names(recipes_dir: Path = RECIPES_DIR) -> list[str]:
+    """The runnable recipes: ``recipes/config/qwen*.yaml`` (the other YAML files are shared parts)."""
+    return sorted(p.stem for p in (recipes_dir / "config").glob("qwen*.yaml"))
+
+
+def run(
+    recipe: str,
+    workdir: Path = DEFAULT_WORKDIR,
+    *,
+    steps: int = 1,
+    experiment_name: str | None = None,
+    extra_overrides: list[str] | None = None,
+    timeout_s: float | None = None,
+    recipes_dir: Path = RECIPES_DIR,
+) -> int:
+    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk; return its exit code."""
+    from verl_oar.cpu.workspace import build_workspace
+
+    names = recipe_names(recipes_dir)
+    if recipe not in names:
+        raise SystemExit(f"no recipe {recipe!r} in {recipes_dir / 'config'}; recipes: {' '.join(names)}")
+    if recipe.endswith("_megatron"):
+        raise SystemExit(
+            f"{recipe} runs verl's Megatron engine, which needs CUDA (megatron-core); its CPU copy cannot run. "
+            f"Run its FSDP2 twin instead: python -m verl_oar.cpu.recipe {recipe.removesuffix('_megatron')}"
+        )
+    ws = build_workspace(workdir)
+    experiment_name = experiment_name or f"cpu_{recipe}"
+    script = recipes_dir / f"run_{recipe}.sh"
+    cmd = ["bash", str(script), *recipe_cpu_overrides(ws.root, steps=steps, experiment_name=experiment_name)]
+    cmd += list(extra_overrides or [])
+    os.environ.setdefault("PYTHON", sys.executable)  # launch.sh's interpreter: this environment's
+    os.environ.setdefault("DATA_DIR", str(ws.root / "data"))
+    return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run a shrunk CPU copy of a recipe through its own launcher (VERL_PLATFORM=cpu).",
+        epilog="Any further arguments are Hydra overrides, appended last. Recipes: " + " ".join(recipe_names()),
+    )
+    parser.add_argument("recipe", help="a recipe name, e.g. qwen2_5_math_1_5b_oar_g")
+    parser.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
+    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"CPU workspace (default {DEFAULT_WORKDIR})")
+    parser.add_argument("--experiment-name", default=None, help="names the metrics file (default cpu_<recipe>)")
+    parser.add_argument("--timeout", type=float, default=None, help="stop the trainer after this many seconds")
+    args, extra = parser.parse_known_args(argv)
+    return run(
+        args.recipe,
+        args.workdir,
+        steps=args.steps,
+        experiment_name=args.experiment_name,
+        extra_overrides=extra,
+        timeout_s=args.timeout,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
