@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _e2e import OAR_KEYS, check_reshaped_exactly_where_importance_varies
 from _verl_config import compose_recipe
 from omegaconf import OmegaConf
@@ -135,7 +136,7 @@ def test_launch_script_passes_data_cluster_model_and_user_overrides_last(tmp_pat
 def test_launch_script_names_the_recipes_when_given_an_unknown_one(tmp_path):
     env = dict(os.environ, PYTHON=str(_fake_python(tmp_path)))
     proc = subprocess.run(["bash", str(RECIPES_DIR / "launch.sh"), "qwen2_5_math_3b_oar_g"], env=env,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert proc.returncode == 2
     assert "no recipe 'qwen2_5_math_3b_oar_g'" in proc.stderr and "qwen2_5_math_7b_oar_g" in proc.stderr
 
@@ -149,12 +150,17 @@ def test_a_megatron_recipes_cpu_copy_is_refused_naming_its_fsdp2_twin(tmp_path):
 
 
 CPU_COPIES = [n for n in RECIPES if not n.endswith("_megatron")]
+PERTURB_KEYS = ("oar/perturb/copies_mean", "oar/perturb/copies_max", "oar/perturb/cost_passes_mean",
+                "oar/perturb/peak_call_tokens")
+BUDGET = 16
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_COPIES)
 def test_cpu_copy_of_the_recipe_trains_through_its_own_launch_script(name, cpu_workspace_dir, tmp_path):
-    """1.5B copies run 2 steps and dump their tensors (the end-to-end checks of OAR); 7B copies 1 step."""
+    """1.5B copies run 2 steps and dump their tensors: these are the end-to-end tests of OAR-G and OAR-P
+    (``python -m verl.trainer.main_ppo algorithm.adv_estimator=oar_g|oar_p`` in CPU mode, verl's v1
+    trainer, FSDP2 engine with dynamic batch size, Ray, hf rollout); 7B copies run 1 step."""
     steps = 2 if "_1_5b_" in name else 1
     estimator = next(e for e in ESTIMATORS if name.endswith(e))
     dump = tmp_path / "dump"
@@ -175,6 +181,7 @@ def test_cpu_copy_of_the_recipe_trains_through_its_own_launch_script(name, cpu_w
         data = record["data"]
         assert data["training/rollout_probs_diff_mean"] < 1e-4  # fp32 rollout and trainer agree
         assert data["actor/pg_loss"] == data["actor/pg_loss"]  # not NaN
+        assert 0.0 <= data["critic/score/mean"] <= 1.0  # math-verify scores 0 or 1
         if estimator == "grpo":
             assert not any(k.startswith("oar/") for k in data)
             continue
@@ -183,6 +190,17 @@ def test_cpu_copy_of_the_recipe_trains_through_its_own_launch_script(name, cpu_w
         if estimator == "oar_g":
             assert data["oar/fused_log_prob"] == 1.0  # the recipe fuses importance into the log-prob pass
         else:
-            assert 0 < data["oar/perturb/copies_max"] <= 16  # chunk mode, perturb_budget 16
-    if extra:
-        assert check_reshaped_exactly_where_importance_varies(dump, steps=range(1, steps + 1)) > 0
+            assert all(k in data for k in PERTURB_KEYS), [k for k in PERTURB_KEYS if k not in data]
+            assert "oar/fused_log_prob" not in data  # OAR-P runs in passes of its own
+            assert 0 < data["oar/perturb/copies_max"] <= BUDGET  # chunk mode, perturb_budget 16
+            assert data["oar/perturb/cost_passes_mean"] <= BUDGET + 1
+    if not extra:
+        return
+    reshaped = check_reshaped_exactly_where_importance_varies(dump, steps=range(1, steps + 1))
+    assert reshaped > 0, "no response had varying importance: the run exercised nothing"
+    if estimator == "oar_p":  # every token of a chunk carries its chunk's importance: at most K values per row
+        for step in range(1, steps + 1):
+            d = torch.load(dump / f"step_{step}.pt")
+            for row, reasoning in zip(d["oar_importance"], d["oar_reasoning_mask"].bool(), strict=True):
+                assert row[reasoning].unique().numel() <= BUDGET
+                assert torch.all(row[~reasoning] == 0)
