@@ -253,9 +253,9 @@ def naive_perturbation_importance(
         ids, span, predict, neutral_id, outcome, temperature: as in :func:`perturbation_importance`.
 
     Returns:
-        (L,) float32 importance.
+        (L,) float32 importance, on ``ids``' device.
     """
-    importance = torch.zeros(ids.shape[0], dtype=torch.float32)
+    importance = torch.zeros(ids.shape[0], dtype=torch.float32, device=ids.device)
     keep = predict.to(torch.bool).nonzero().squeeze(1)
     if keep.numel() == 0 or not (span >= 0).any():
         return importance
