@@ -69,7 +69,8 @@ def test_a_different_function_under_an_oar_name_is_refused():
     [
         (["trainer.v1.trainer_mode=colocate_async"], "trainer_mode=sync"),
         (["trainer.use_v1=false"], "trainer.use_v1=true"),
-        (["actor_rollout_ref.actor.strategy=megatron"], "strategy=fsdp2"),
+        (["actor_rollout_ref.actor.strategy=megatron"], "model_engine=megatron"),  # FSDP config, no megatron node
+        (["actor_rollout_ref.actor.strategy=torchtitan"], "model_engine=megatron"),
         (["+algorithm.oar.tua=0.5"], r"Unknown key\(s\) algorithm.oar.tua"),
         (["+algorithm.oar.tau=1.5"], "tau"),
         (["+algorithm.oar.outcome=median"], "outcome"),
@@ -86,6 +87,74 @@ def test_startup_checks_name_cause_and_fix(overrides, match):
     mode = config.trainer.v1.trainer_mode if config.trainer.use_v1 else LEGACY
     with pytest.raises(ValueError, match=match):
         check_token_signals_supported(config, mode)
+
+
+MEGATRON = "actor_rollout_ref.actor.megatron"
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ([f"{MEGATRON}.pipeline_model_parallel_size=2"],
+         (rf"{MEGATRON}.pipeline_model_parallel_size=2: the input embeddings .* Set {MEGATRON}"
+          r".pipeline_model_parallel_size=1; shard the model with tensor_model_parallel_size and sequence_parallel")),
+        ([f"{MEGATRON}.virtual_pipeline_model_parallel_size=2"], "virtual_pipeline_model_parallel_size=null"),
+        ([f"{MEGATRON}.context_parallel_size=2"], rf"{MEGATRON}.context_parallel_size=2: context parallelism"),
+        ([f"{MEGATRON}.dynamic_context_parallel=True"], "dynamic_context_parallel=True"),
+        ([f"{MEGATRON}.use_megatron_fsdp=True"], "use_megatron_fsdp=True: its forward gathers parameters"),
+        (["actor_rollout_ref.model.mtp.enable=True"], r"mtp.enable=False"),
+        (["actor_rollout_ref.model.use_fused_kernels=True"], "use_fused_kernels=False"),
+        (["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=true",
+          "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=4"],
+         "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=4"),
+    ],
+)
+@pytest.mark.parametrize("estimator", ["oar_g", "oar_p"])
+def test_megatron_startup_checks_name_the_setting_and_what_works(overrides, match, estimator):
+    """verl's Megatron config (``model_engine=megatron``): what OAR cannot do there is refused at start-up."""
+    from verl_oar.trainer import check_token_signals_supported
+
+    config = compose_ppo_config(["model_engine=megatron", f"algorithm.adv_estimator={estimator}", *overrides])
+    assert config.actor_rollout_ref.actor.strategy == "megatron"
+    with pytest.raises(ValueError, match=match):
+        check_token_signals_supported(config, "sync")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # verl's defaults: TP 1, sequence_parallel on, packing on
+        [f"{MEGATRON}.tensor_model_parallel_size=4", f"{MEGATRON}.sequence_parallel=True"],
+        [f"{MEGATRON}.tensor_model_parallel_size=2", f"{MEGATRON}.sequence_parallel=False",
+         "actor_rollout_ref.model.use_remove_padding=False", f"{MEGATRON}.expert_model_parallel_size=2"],
+        ["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=true"],
+    ],
+)
+@pytest.mark.parametrize("estimator", ["oar_g", "oar_p"])
+def test_megatron_startup_check_passes_tensor_and_sequence_parallel(overrides, estimator):
+    from verl_oar.trainer import check_token_signals_supported
+
+    config = compose_ppo_config(["model_engine=megatron", f"algorithm.adv_estimator={estimator}", *overrides])
+    assert [p.name for p in check_token_signals_supported(config, "sync")] == ["token_importance"]
+
+
+@pytest.mark.parametrize(
+    "overrides, fused",
+    [
+        (["model_engine=megatron"], True),
+        (["model_engine=megatron", f"{MEGATRON}.router_replay.mode=R2"], False),  # verl records routes there
+        (["actor_rollout_ref.actor.strategy=fsdp2"], True),
+    ],
+)
+def test_fused_log_prob_pass_is_off_where_verls_pass_does_more(overrides, fused):
+    from types import SimpleNamespace
+
+    from verl_oar.signals_importance import fuse_into_log_prob
+
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_g", *overrides])
+    batch = SimpleNamespace(extra_info={})
+    assert fuse_into_log_prob(SimpleNamespace(config=config, global_steps=2), batch) is fused
+    assert batch.extra_info.get("oar_fused", False) is fused
 
 
 def test_startup_check_passes_for_a_supported_config_and_ignores_other_estimators():

@@ -1,7 +1,8 @@
-"""Token importance on verl's training engine (FSDP / FSDP2), batch in, batch out.
+"""Token importance on verl's training engine (FSDP / FSDP2 or Megatron), batch in, batch out.
 
-The driver shared by both methods: ``gradient`` (OAR-G, ``engine_gradient``) and ``perturbation``
-(OAR-P, ``engine_perturbation``). verl extension points: the engine's own ``prepare_micro_batches``
+The driver shared by both methods and both engines: ``gradient`` (OAR-G: ``engine_gradient`` on
+FSDP, ``engine_megatron_gradient`` on Megatron) and ``perturbation`` (OAR-P: ``engine_perturbation``,
+``engine_megatron_perturbation``). verl extension points: the engine's own ``prepare_micro_batches``
 (micro-batching and dynamic batch size, restored to the caller's order afterwards) and
 ``engine.eval_mode`` (parameter offload in and out); checked against verl 0.9.1.
 """
@@ -72,10 +73,18 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
     from verl.utils.seqlen_balancing import restore_dynamic_batch
     from verl.workers.engine.utils import prepare_micro_batches
 
-    from verl_oar.engine_gradient import gradient_micro_batch
-    from verl_oar.engine_perturbation import perturbation_micro_batch
+    from verl_oar.engine_megatron_forward import bshd_forced_max_seqlen, is_megatron_engine
 
     engine = worker.engine
+    megatron = is_megatron_engine(engine)
+    if megatron:
+        from verl_oar.engine_megatron_gradient import megatron_gradient_micro_batch as gradient_micro_batch
+        from verl_oar.engine_megatron_perturbation import (
+            megatron_perturbation_micro_batch as perturbation_micro_batch,
+        )
+    else:
+        from verl_oar.engine_gradient import gradient_micro_batch
+        from verl_oar.engine_perturbation import perturbation_micro_batch
     cfg = OARConfig(**tu.get(data, key="oar_config"))
     step = int(tu.get(data, key="oar_step", default=0))
     method = tu.get(data, key="oar_method", default="gradient")
@@ -108,7 +117,10 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
             data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
         )
         rows, model_outputs, copies, passes, peaks = [], {}, [], [], []
+        forced_max_seqlen = bshd_forced_max_seqlen(engine, data) if megatron else None
         for micro_batch in micro_batches:
+            if forced_max_seqlen is not None:  # as verl's Megatron forward_backward_batch pads BSHD rows
+                tu.assign_non_tensor(micro_batch, forced_max_seqlen=forced_max_seqlen)
             if perturb:
                 importance, costs = perturbation_micro_batch(
                     engine, micro_batch, cfg, neutral, token_budget, rows_budget

@@ -17,7 +17,12 @@ from verl_oar.config import OARConfig
 from verl_oar.signals import register_token_signal
 
 IMPORTANCE_FIELDS = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask")
-SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2", "megatron")
+MEGATRON_SUPPORTED = (
+    "tensor_model_parallel_size (with or without sequence_parallel), data parallelism, expert parallelism, "
+    "use_remove_padding on or off, pipeline_model_parallel_size=1, context_parallel_size=1"
+)
+"""what OAR importance supports on verl's Megatron engine, named in every refusal"""
 IMPORTANCE_METHOD = {"oar_g": "gradient", "oar_p": "perturbation"}
 """estimator name -> how its importance is measured (``verl_oar.engine_importance.METHODS``)"""
 PERTURBATION_COST_FIELDS = ("oar_perturb_copies", "oar_perturb_passes", "oar_perturb_peak_tokens")
@@ -32,20 +37,7 @@ def importance_method(config) -> str:
 def validate_importance_config(config) -> None:
     """Start-up checks: raise with the cause and the fix before any worker is built."""
     oar = OARConfig.from_algorithm(config.algorithm)
-    actor = config.actor_rollout_ref.actor
-    strategy = actor.strategy
-    if strategy not in SUPPORTED_STRATEGIES:
-        raise ValueError(
-            f"OAR importance is implemented for the FSDP engines {SUPPORTED_STRATEGIES}, not "
-            f"actor_rollout_ref.actor.strategy={strategy!r}. Set actor_rollout_ref.actor.strategy=fsdp2 "
-            "(and ref.strategy=fsdp2), or use algorithm.adv_estimator=grpo."
-        )
-    sp = int(actor.get("ulysses_sequence_parallel_size", 1) or 1)
-    if sp > 1:
-        raise ValueError(
-            f"OAR importance does not support Ulysses sequence parallelism yet "
-            f"(actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}); set it to 1."
-        )
+    _validate_engine(config, "actor")
     if config.actor_rollout_ref.model.get("use_fused_kernels", False):
         raise ValueError(
             "OAR importance needs the model's logits; actor_rollout_ref.model.use_fused_kernels=True "
@@ -60,6 +52,82 @@ def validate_importance_config(config) -> None:
                 "Enable one (actor_rollout_ref.actor.use_kl_loss=True or algorithm.use_kl_in_reward=True) "
                 "or use algorithm.oar.importance_model=actor."
             )
+        if config.actor_rollout_ref.get("ref", None) is not None and "strategy" in config.actor_rollout_ref.ref:
+            _validate_engine(config, "ref")
+
+
+def _validate_engine(config, role: str) -> None:
+    """The engine of ``actor_rollout_ref.{role}`` (the model that scores importance) is one OAR supports."""
+    node = config.actor_rollout_ref[role]
+    prefix = f"actor_rollout_ref.{role}"
+    strategy = node.strategy
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise ValueError(
+            f"OAR importance is implemented for verl's FSDP and Megatron engines {SUPPORTED_STRATEGIES}, not "
+            f"{prefix}.strategy={strategy!r}. Set actor_rollout_ref.actor.strategy=fsdp2 (and ref.strategy=fsdp2), "
+            "or select verl's Megatron config (model_engine=megatron), or use algorithm.adv_estimator=grpo."
+        )
+    if strategy == "megatron":
+        _validate_megatron(config, node, prefix)
+        return
+    sp = int(node.get("ulysses_sequence_parallel_size", 1) or 1)
+    if sp > 1:
+        raise ValueError(
+            f"OAR importance does not support Ulysses sequence parallelism yet "
+            f"({prefix}.ulysses_sequence_parallel_size={sp}); set it to 1."
+        )
+
+
+def _validate_megatron(config, node, prefix: str) -> None:
+    """Megatron: one pipeline stage (embeddings and logits on the same rank), no context parallelism."""
+    megatron = node.get("megatron", None)
+    if megatron is None:
+        raise ValueError(
+            f"{prefix}.strategy=megatron, but {prefix} has no 'megatron' settings: verl's FSDP config was "
+            "composed. Select verl's Megatron config with the override model_engine=megatron (instead of "
+            "setting strategy=megatron), or set actor_rollout_ref.actor.strategy=fsdp2."
+        )
+
+    def size(key: str) -> int:
+        value = megatron.get(key, 1)
+        return 1 if value is None else int(value)
+
+    why = {
+        "pipeline_model_parallel_size": "the input embeddings live on the first pipeline stage and the logits "
+        "on the last, while OAR calls the model on one rank, outside Megatron's pipeline schedule (OAR-G "
+        "differentiates the outcome w.r.t. the embeddings)",
+        "virtual_pipeline_model_parallel_size": "it splits the model into pipeline chunks (see "
+        "pipeline_model_parallel_size)",
+        "context_parallel_size": "context parallelism splits every sequence over ranks in a zigzag "
+        "layout that OAR's token layout does not follow",
+    }
+    for key, reason in why.items():
+        if size(key) > 1:
+            raise ValueError(
+                f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.{key}={size(key)}: "
+                f"{reason}. Set {prefix}.megatron.{key}={'null' if key.startswith('virtual') else 1}; shard the model "
+                f"with tensor_model_parallel_size and sequence_parallel instead. Supported on Megatron: "
+                f"{MEGATRON_SUPPORTED}. Or use actor_rollout_ref.actor.strategy=fsdp2, or algorithm.adv_estimator=grpo."
+            )
+    if megatron.get("dynamic_context_parallel", False):
+        raise ValueError(
+            f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.dynamic_context_parallel=True "
+            f"(it re-packs sequences over ranks). Set it to False. Supported on Megatron: {MEGATRON_SUPPORTED}."
+        )
+    if megatron.get("use_megatron_fsdp", False):
+        raise ValueError(
+            f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.use_megatron_fsdp=True: "
+            "its forward gathers parameters over the data-parallel ranks, which then must run the same number "
+            "of model calls, and OAR's calls depend on each rank's samples (answers found, OAR-P copies). Set it "
+            f"to False (verl's default). Supported on Megatron: {MEGATRON_SUPPORTED}."
+        )
+    mtp = config.actor_rollout_ref.model.get("mtp", None)
+    if mtp is not None and mtp.get("enable", False):
+        raise ValueError(
+            "OAR importance on verl's Megatron engine is not checked with multi-token prediction "
+            "(actor_rollout_ref.model.mtp.enable=True, which patches the model's output stage). Set "
+            "actor_rollout_ref.model.mtp.enable=False, or use algorithm.adv_estimator=grpo."
+        )
 
 
 OAR_EXTRA_KEYS = ("oar_config", "oar_step", "oar_fused", "oar_method", "no_lora_adapter")
@@ -72,18 +140,28 @@ def fuse_into_log_prob(trainer, batch) -> bool:
     Only OAR-G: OAR-P scores each sample in passes of its own (``engine_perturbation``), so sharing
     the old-log-prob pass would save under one of its R+1 passes. Not when importance comes from the
     reference model, nor in rollout-correction bypass mode (verl then skips the old-log-prob pass),
-    nor with ``algorithm.oar.fuse_log_prob=false``.
+    nor with Megatron router replay (verl's old-log-prob pass records the MoE routes there, which the
+    fused pass does not), nor with ``algorithm.oar.fuse_log_prob=false``.
     The trainer removes the marks after the pass (``OAR_EXTRA_KEYS``).
     """
     oar = OARConfig.from_algorithm(trainer.config.algorithm)
     rollout_corr = trainer.config.algorithm.get("rollout_correction", None)
     bypass = bool(rollout_corr and rollout_corr.get("bypass_mode", False))
-    if not oar.fuse_log_prob or oar.importance_model != "actor" or bypass:
+    if not oar.fuse_log_prob or oar.importance_model != "actor" or bypass or _router_replay(trainer.config):
         return False
     if importance_method(trainer.config) != "gradient":
         return False
     batch.extra_info.update({"oar_config": oar.to_dict(), "oar_step": int(trainer.global_steps), "oar_fused": True})
     return True
+
+
+def _router_replay(config) -> bool:
+    """Whether verl's Megatron engine replays MoE routes (``actor.megatron.router_replay.mode``)."""
+    actor = config.actor_rollout_ref.actor
+    if actor.strategy != "megatron":
+        return False
+    replay = (actor.get("megatron", None) or {}).get("router_replay", None) or {}
+    return replay.get("mode", "disabled") != "disabled"
 
 
 @register_token_signal(
