@@ -5,6 +5,9 @@ off), ``engine.prepare_model_outputs`` (log-probs when fused with the old-log-pr
 ``engine.module``; checked against verl 0.9.1. It mirrors ``FSDPEngine.forward_backward_batch`` but
 differentiates the outcome objective with respect to the *input embeddings only*
 (``torch.autograd.grad``): no parameter gradient is computed or accumulated, no optimizer state is touched.
+A micro-batch with nothing to score makes no model call (``gradient_importance_in_forward`` returns
+zeros); that is safe with several DP ranks because the driver runs on unsharded FSDP2 parameters
+(``engine_fsdp_unshard``): forwards and this backward issue no collective.
 
 Layouts: inside a micro-batch the engine either packs rows into (1, total_nnz [+pad]) or pads them
 to (bs, max_len); every per-position mask below is built in that same layout, with ``segment``

@@ -4,7 +4,9 @@ The driver shared by both methods and both engines: ``gradient`` (OAR-G: ``engin
 FSDP, ``engine_megatron_gradient`` on Megatron) and ``perturbation`` (OAR-P: ``engine_perturbation``,
 ``engine_megatron_perturbation``). verl extension points: the engine's own ``prepare_micro_batches``
 (micro-batching and dynamic batch size, restored to the caller's order afterwards) and
-``engine.eval_mode`` (parameter offload in and out); checked against verl 0.9.1.
+``engine.eval_mode`` (parameter offload in and out); checked against verl 0.9.1. On FSDP2 the whole
+pass runs with the parameters unsharded (``engine_fsdp_unshard``), so that ranks whose model-call
+counts differ issue no mismatched collective.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_oar.config import OARConfig
+from verl_oar.engine_fsdp_unshard import unsharded_for_importance
 from verl_oar.engine_inputs import add_outcome_masks, nested, remove_masks
 
 METHODS = ("gradient", "perturbation")
@@ -112,7 +115,11 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
         neutral = neutral_token_id(cfg, tokenizer)
         token_budget, rows_budget = _perturbation_budget(data, cfg)
 
-    with engine.eval_mode(), (engine.disable_adapter() if no_lora_adapter else nullcontext()):
+    # FSDP2 with several DP ranks: the ranks make different numbers of model calls (OAR-P per sample,
+    # OAR-G none on a micro-batch with nothing to score); with the parameters gathered once up front
+    # those calls issue no collective (engine_fsdp_unshard). Megatron keeps its own path.
+    unsharded = nullcontext() if megatron else unsharded_for_importance(engine)
+    with engine.eval_mode(), (engine.disable_adapter() if no_lora_adapter else nullcontext()), unsharded:
         micro_batches, indices = prepare_micro_batches(
             data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
         )

@@ -6,7 +6,9 @@ sample share its prompt and everything before their span, which packing the micr
 exploit; scoring per sample also makes a sample's importance independent of the rest of the batch
 and of ``use_remove_padding``. verl extension points: ``engine.module`` (called with transformers'
 ``past_key_values`` / ``logits_to_keep``; FSDP passes keyword arguments through) and the engine's
-autocast dtype; checked against verl 0.9.1. Every pass is no-grad.
+autocast dtype; checked against verl 0.9.1. Every pass is no-grad. The number of model calls depends
+on the data; the driver runs this on unsharded FSDP2 parameters (``engine_fsdp_unshard``), so the
+calls issue no collective and ranks may differ in how many they make.
 """
 
 from __future__ import annotations

@@ -76,6 +76,18 @@ def _validate_engine(config, role: str) -> None:
             f"OAR importance does not support Ulysses sequence parallelism yet "
             f"({prefix}.ulysses_sequence_parallel_size={sp}); set it to 1."
         )
+    trainer = config.get("trainer", {}) or {}
+    dp = int(trainer.get("n_gpus_per_node", 1) or 1) * int(trainer.get("nnodes", 1) or 1) // sp
+    if strategy == "fsdp" and dp > 1:
+        # OAR makes a data-dependent number of model calls per rank; FSDP2 runs them on parameters
+        # gathered once (engine_fsdp_unshard), FSDP1 cannot (no forward inside summon_full_params),
+        # so its per-forward all-gathers would mismatch across ranks and hang.
+        raise ValueError(
+            f"OAR importance on FSDP1 ({prefix}.strategy=fsdp) needs one data-parallel rank, but this run has "
+            f"{dp} (trainer.n_gpus_per_node x trainer.nnodes): ranks would make different numbers of model "
+            "calls and FSDP1's all-gathers would hang. Set actor_rollout_ref.actor.strategy=fsdp2 "
+            "(and actor_rollout_ref.ref.strategy=fsdp2)."
+        )
 
 
 def _validate_megatron(config, node, prefix: str) -> None:
@@ -121,6 +133,16 @@ def _validate_megatron(config, node, prefix: str) -> None:
             "of model calls, and OAR's calls depend on each rank's samples (answers found, OAR-P copies). Set it "
             f"to False (verl's default). Supported on Megatron: {MEGATRON_SUPPORTED}."
         )
+    optim = node.get("optim", None) or {}
+    for where, overrides in (("optim.override_optimizer_config", optim.get("override_optimizer_config", None)),
+                             ("megatron.override_ddp_config", megatron.get("override_ddp_config", None))):
+        if overrides and overrides.get("overlap_param_gather", False):
+            raise ValueError(
+                f"OAR importance on verl's Megatron engine does not support {prefix}.{where}.overlap_param_gather=True: "
+                "the distributed optimizer then gathers parameters over the data-parallel ranks inside forward "
+                "hooks, so those ranks must run the same number of model calls, and OAR's calls depend on each "
+                f"rank's samples. Remove it (verl's default is off). Supported on Megatron: {MEGATRON_SUPPORTED}."
+            )
     mtp = config.actor_rollout_ref.model.get("mtp", None)
     if mtp is not None and mtp.get("enable", False):
         raise ValueError(
