@@ -26,10 +26,10 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from verl_oar.config import OARConfig
-from verl_oar.engine_inputs import LINE_END, PREDICT, REASONING, nested
+from verl_oar.engine_inputs import nested
 from verl_oar.engine_megatron_forward import MegatronLogits
-from verl_oar.engine_perturbation import _row_temperatures
-from verl_oar.importance.perturbation import PerturbationCost, occlusion_spans, perturbation_importance
+from verl_oar.engine_perturbation import score_samples
+from verl_oar.importance.perturbation import PerturbationCost
 
 
 class MegatronRowsModel:
@@ -70,26 +70,5 @@ def megatron_perturbation_micro_batch(
     micro_batch = micro_batch.to(get_device_id())
     model = MegatronRowsModel(MegatronLogits(engine))
     pcfg = cfg.perturbation_config(share_prefix=False)
-    ids_rows = micro_batch["input_ids"].unbind()
-    positions = micro_batch["position_ids"].unbind()
-    reasoning = micro_batch[REASONING].unbind()
-    predict = micro_batch[PREDICT].unbind()
-    line_end = micro_batch[LINE_END].unbind() if pcfg.mode == "line" else [None] * len(ids_rows)
-    temperatures = _row_temperatures(micro_batch, len(ids_rows))
-    costs, out = [], []
-    for ids, pos, reason, pred, line, temp in zip(ids_rows, positions, reasoning, predict, line_end, temperatures,
-                                                  strict=True):
-        if pos.dim() != 1:
-            raise ValueError(
-                f"OAR-P supports text models with 1-D position ids; got position_ids of shape {tuple(pos.shape)} "
-                "per sample (multimodal rope). Use algorithm.adv_estimator=grpo for this model."
-            )
-        span = occlusion_spans(reason.bool(), pcfg.mode, pcfg.budget, None if line is None else line.bool())
-        budget = token_budget if token_budget is not None else rows_budget * ids.numel()
-        importance, row_cost = perturbation_importance(
-            model, ids, pos, span, pred.bool(), neutral_id, pcfg, max_tokens=budget, temperature=temp
-        )
-        costs.append(row_cost)
-        out.append(importance.cpu())
-    return nested(out), costs
+    return score_samples(model, micro_batch, pcfg, neutral_id, token_budget, rows_budget)
 

@@ -50,6 +50,15 @@ def perturbation_micro_batch(
     micro_batch = micro_batch.to(get_device_id())
     model = HFPrefixModel(engine.module, context=lambda: autocast_context(engine))
     pcfg = cfg.perturbation_config(share_prefix=can_share_prefix(engine.module))
+    return score_samples(model, micro_batch, pcfg, neutral_id, token_budget, rows_budget)
+
+
+def score_samples(
+    model, micro_batch: TensorDict, pcfg, neutral_id: int, token_budget: int | None, rows_budget: int
+) -> tuple[torch.Tensor, list[PerturbationCost]]:
+    """Score each sample of ``micro_batch`` on its own with ``model`` (a ``PrefixModel``, already on
+    the micro-batch's device); shared by the FSDP and Megatron engines. Arguments and return as
+    :func:`perturbation_micro_batch`, with ``pcfg`` the ``PerturbationConfig``."""
     ids_rows = micro_batch["input_ids"].unbind()
     positions = micro_batch["position_ids"].unbind()
     reasoning = micro_batch[REASONING].unbind()
