@@ -317,11 +317,26 @@ def _locked(root: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _read_manifest(root: Path) -> dict | None:
+def read_manifest(root: Path, name: str = "workspace.json") -> dict | None:
+    """The manifest ``root/name`` a finished build wrote last, or None (absent or unreadable)."""
     try:
-        return json.loads((root / "workspace.json").read_text())
+        return json.loads((root / name).read_text())
     except (OSError, ValueError):
         return None
+
+
+def save_model_dir(model, tokenizer, model_dir: Path) -> None:
+    """Save model, tokenizer and a sampling generation config (eos or pad ends a response) to ``model_dir``."""
+    from transformers import GenerationConfig
+
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(model_dir)
+    GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+    ).save_pretrained(model_dir)
 
 
 def build_workspace(
@@ -334,7 +349,7 @@ def build_workspace(
     root = Path(directory).expanduser().resolve()
     fingerprint = spec.fingerprint()
     with _locked(root):
-        manifest = _read_manifest(root)
+        manifest = read_manifest(root)
         if not force and manifest is not None and manifest.get("fingerprint") == fingerprint:
             _log(f"reusing {root} (fingerprint {fingerprint})")
             return Workspace.at(root, manifest)
@@ -357,17 +372,7 @@ def build_workspace(
             stats = sample_statistics(model, tokenizer, train_pairs[:32], max_new_tokens=48, seed=spec.seed)
         _log(f"warm start: {warm}; sampled on 32 train prompts: {stats}")
 
-        model_dir = root / "model"
-        model.save_pretrained(model_dir, safe_serialization=True)
-        tokenizer.save_pretrained(model_dir)
-        from transformers import GenerationConfig
-
-        GenerationConfig(
-            eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
-            pad_token_id=tokenizer.pad_token_id,
-            do_sample=True,
-            temperature=1.0,
-        ).save_pretrained(model_dir)
+        save_model_dir(model, tokenizer, root / "model")
 
         manifest = {
             "fingerprint": fingerprint,

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from verl_oar.cpu.workspace import read_manifest
 from verl_oar.importance.gradient import (
     GradientConfig,
     gradient_importance,
@@ -76,10 +77,10 @@ from verl_oar.testbed.importance_quality import (
     top_count,
 )
 from verl_oar.testbed.workspace import (
+    MANIFEST,
     TESTBED_VERSION,
     Testbed,
     TestbedSpec,
-    _read_manifest,
     build_testbed,
     max_response_tokens,
     sample_responses,
@@ -326,7 +327,7 @@ def measure(model, tokenizer, batch: Batch, scores: dict[str, Tensor], fracs: Se
 def load_testbed(workdir: str | os.PathLike) -> Testbed:
     """The testbed in ``workdir`` whatever its spec (if built by this version), else a default build."""
     root = Path(workdir).expanduser().resolve()
-    manifest = _read_manifest(root)
+    manifest = read_manifest(root, MANIFEST)
     if manifest is not None and manifest.get("version") == TESTBED_VERSION:
         return Testbed(root, manifest)
     return build_testbed(root, TestbedSpec())

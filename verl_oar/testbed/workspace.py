@@ -43,6 +43,8 @@ from verl_oar.cpu.workspace import (
     _torch_threads,
     _write_parquet,
     build_tokenizer,
+    read_manifest,
+    save_model_dir,
 )
 from verl_oar.testbed.chain_sum import (
     ChainSumProblem,
@@ -136,6 +138,10 @@ class Testbed:
     @property
     def spec(self) -> TestbedSpec:
         return TestbedSpec(**self.manifest["spec"])
+
+
+MANIFEST = "testbed.json"
+"""the manifest a finished build writes last (``cpu.workspace.read_manifest`` reads it)"""
 
 
 def _log(msg: str) -> None:
@@ -326,30 +332,22 @@ def sample_statistics(model, tokenizer, problems: Sequence[ChainSumProblem], spe
 # ---------------------------------------------------------------------------------------------------
 
 
-def _read_manifest(root: Path) -> dict | None:
-    try:
-        return json.loads((root / "testbed.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None, *, force: bool = False) -> Testbed:
     """Build (or reuse, same fingerprint) the chain_sum testbed in ``directory``; return its paths."""
     import torch
-    from transformers import GenerationConfig
 
     spec = spec or TestbedSpec()
     root = Path(directory).expanduser().resolve()
     fingerprint = spec.fingerprint()
     with _locked(root):
-        manifest = _read_manifest(root)
+        manifest = read_manifest(root, MANIFEST)
         if not force and manifest is not None and manifest.get("fingerprint") == fingerprint:
             _log(f"reusing {root} (fingerprint {fingerprint})")
             return Testbed(root, manifest)
 
         start = time.time()
         _log(f"building into {root} (fingerprint {fingerprint})")
-        (root / "testbed.json").unlink(missing_ok=True)
+        (root / MANIFEST).unlink(missing_ok=True)
         for stale in ("model", "data"):
             shutil.rmtree(root / stale, ignore_errors=True)
 
@@ -365,15 +363,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
             stats = sample_statistics(model, tokenizer, val[: spec.stats_samples], spec)
         _log(f"warm start: {warm}; sampled on {stats['samples']} val prompts: {stats}")
 
-        model_dir = root / "model"
-        model.save_pretrained(model_dir, safe_serialization=True)
-        tokenizer.save_pretrained(model_dir)
-        GenerationConfig(
-            eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
-            pad_token_id=tokenizer.pad_token_id,
-            do_sample=True,
-            temperature=1.0,
-        ).save_pretrained(model_dir)
+        save_model_dir(model, tokenizer, root / "model")
 
         manifest = {
             "fingerprint": fingerprint,
@@ -388,7 +378,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
             "torch": torch.__version__,
             "build_seconds": round(time.time() - start, 1),
         }
-        (root / "testbed.json").write_text(json.dumps(manifest, indent=2))  # written last: marks completion
+        (root / MANIFEST).write_text(json.dumps(manifest, indent=2))  # written last: marks completion
         _log(f"built in {manifest['build_seconds']} s")
         return Testbed(root, manifest)
 
