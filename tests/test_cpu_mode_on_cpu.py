@@ -264,6 +264,44 @@ def test_hf_rollout_log_probs_match_a_full_forward(hf_server):
     assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-5)
 
 
+def test_hf_rollout_batches_concurrent_requests_without_changing_them(hf_server):
+    """Requests sent at once (as the agent loop sends a step's prompts x n) are generated as one
+    left-padded batch; each row's log-probs still equal a full forward of that sequence alone, and
+    greedy answers equal the unbatched ones."""
+    import torch
+
+    prompts = [_prompt_ids(hf_server, q) for q in ("What is 3+4?", "What is 12+30?", "1+1?", "What is 7+8+9?")]
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    batches = []
+    real_generate_batch = hf_server._generate_batch
+
+    def counting(prompts_, key):
+        batches.append(len(prompts_))
+        return real_generate_batch(prompts_, key)
+
+    async def burst(params):
+        return await asyncio.gather(
+            *[hf_server.generate(prompt_ids=p, sampling_params=dict(params), request_id=str(i)) for i, p in enumerate(prompts)]
+        )
+
+    hf_server._generate_batch = counting
+    try:
+        outs = asyncio.run(burst(sampling))
+        greedy = asyncio.run(burst({**sampling, "temperature": 0}))
+    finally:
+        del hf_server._generate_batch
+    assert batches == [len(prompts), len(prompts)]
+    for prompt, out in zip(prompts, outs):
+        assert 1 <= len(out.token_ids) <= 48 and len(out.log_probs) == len(out.token_ids)
+        with torch.no_grad():
+            logits = hf_server.model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-5)
+        assert all(t not in hf_server.eos_token_ids for t in out.token_ids[:-1])
+    for prompt, out in zip(prompts, greedy):
+        assert out.token_ids == _generate(hf_server, prompt, temperature=0).token_ids
+
+
 def test_hf_rollout_respects_max_tokens_eos_and_greedy(hf_server):
     prompt = _prompt_ids(hf_server, "What is 2+5?")
     short = _generate(hf_server, prompt, max_tokens=5)

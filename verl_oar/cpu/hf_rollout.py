@@ -11,9 +11,9 @@ the trainer worker's rollout adapter (``update_weights``, the checkpoint engine'
 sync trainer). Here:
 
 - ``HFServer`` (a Ray actor, one per replica) holds a transformers causal LM and answers
-  ``generate`` one request at a time with ``model.generate`` (temperature, top_p, top_k from the
-  request, ``n`` comes from the agent loop sending n requests, stops at EOS or at the response
-  length), returning the log-probability of every sampled token;
+  ``generate`` requests with ``model.generate`` (temperature, top_p, top_k from the request, ``n``
+  comes from the agent loop sending n requests, stops at EOS or at the response length), returning
+  the log-probability of every sampled token; concurrent requests are batched;
 - ``HFServerAdapter`` (in each trainer worker) gathers the full parameters from the training engine
   and sends them to the server, so the rollout policy is the trainer's policy;
 - ``HFReplica`` starts the server actor.
@@ -70,9 +70,16 @@ def _torch_dtype(name: str) -> torch.dtype:
 class HFServer:
     """A transformers model answering verl's token-in/token-out ``generate`` requests.
 
+    Concurrent requests (the agent loop sends a step's prompts x n at once) are generated in batches
+    of up to ``rollout.max_num_seqs`` left-padded rows with equal settings, one ``model.generate``
+    each; a request's tokens and log-probs equal an unbatched generation's up to float rounding.
+
     Runs as a Ray actor (``ray.remote(HFServer)``); methods mirror the vLLM server's control surface
     that verl calls (wake_up, sleep, clear_kv_cache, abort_all_requests, ...).
     """
+
+    BATCH_WAIT_S = 0.005
+    """how long the first request of a batch waits for others (seconds)"""
 
     def __init__(self, config, model_config, replica_rank: int) -> None:
         from transformers import AutoModelForCausalLM
@@ -89,6 +96,9 @@ class HFServer:
         self.global_steps: int | None = None
         self.weight_version = 0
         self._lock = threading.Lock()  # one generate or weight update at a time
+        self._pending: list[tuple[list[int], tuple, asyncio.Future]] = []  # (prompt ids, settings key, result)
+        self._server_task: asyncio.Task | None = None
+        self.max_batch_rows = max(1, int(getattr(self.config, "max_num_seqs", 0) or 256))
 
         override = dict(self.model_config.override_config or {})
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -140,17 +150,29 @@ class HFServer:
             limit = min(limit, self.max_positions)
         return max(1, min(max_tokens, cfg.response_length, limit - prompt_len))
 
-    @torch.no_grad()
-    def _generate_sync(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> tuple[list[int], list[float]]:
+    def _request_key(self, prompt_len: int, sampling_params: dict[str, Any]) -> tuple:
+        """The generation settings of a request, as a hashable key: requests with equal keys share a
+        batch. (max_new_tokens, temperature, top_p, top_k, repetition_penalty, ignore_eos)"""
         params = dict(sampling_params)
-        max_new_tokens = self._max_new_tokens(len(prompt_ids), params)
+        max_new_tokens = self._max_new_tokens(prompt_len, params)
         temperature = float(params.get("temperature", self.config.temperature))
         top_p = params.get("top_p", self.config.top_p)
         top_k = params.get("top_k", self.config.top_k)
-        repetition_penalty = float(params.get("repetition_penalty", 1.0) or 1.0)
-        ignore_eos = bool(params.get("ignore_eos", self.config.ignore_eos))
-        greedy = temperature <= 0.0
+        return (
+            max_new_tokens,
+            temperature,
+            float(top_p) if top_p is not None and float(top_p) < 1.0 else 1.0,
+            int(top_k) if top_k is not None and int(top_k) > 0 else 0,  # 0 disables top-k
+            float(params.get("repetition_penalty", 1.0) or 1.0),
+            bool(params.get("ignore_eos", self.config.ignore_eos)),
+        )
 
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
+        """One ``model.generate`` over left-padded prompts that share ``key``; per prompt, the new
+        token ids (cut after the first EOS) and the log-probability of each."""
+        max_new_tokens, temperature, top_p, top_k, repetition_penalty, ignore_eos = key
+        greedy = temperature <= 0.0
         fields: dict[str, Any] = {
             "eos_token_id": None if ignore_eos else self.eos_token_ids,
             "pad_token_id": self.pad_token_id,
@@ -162,29 +184,58 @@ class HFServer:
             "repetition_penalty": repetition_penalty,
         }
         if not greedy:
-            fields["temperature"] = temperature
-            fields["top_p"] = float(top_p) if top_p is not None and float(top_p) < 1.0 else 1.0
-            fields["top_k"] = int(top_k) if top_k is not None and int(top_k) > 0 else 0  # 0 disables top-k
-        generation_config = GenerationConfig(**fields)
-
-        input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+            fields.update(temperature=temperature, top_p=top_p, top_k=top_k)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
         with self._lock:
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=GenerationConfig(**fields)
             )
-        new_tokens = out.sequences[0, input_ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=0)[:, 0, :].float()  # (new_tokens, vocab), before any warper
+        new_tokens = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float()  # (rows, new_tokens, vocab), before any warper
         if not greedy:
             logits = logits / temperature
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[: logits.shape[0], None]).squeeze(-1)
-        token_ids = new_tokens.tolist()
-        # generate pads finished rows in a batch; a single row ends at its EOS, but be safe
-        if not ignore_eos:
-            for i, tok in enumerate(token_ids):
-                if tok in self.eos_token_ids:
-                    token_ids = token_ids[: i + 1]
-                    break
-        return token_ids, log_probs[: len(token_ids)].tolist()
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[:, : logits.shape[1], None]).squeeze(-1)
+        results = []
+        for row in range(len(prompts)):
+            token_ids = new_tokens[row].tolist()
+            if not ignore_eos:  # a finished row is padded up to the batch's longest
+                for i, tok in enumerate(token_ids):
+                    if tok in self.eos_token_ids:
+                        token_ids = token_ids[: i + 1]
+                        break
+            results.append((token_ids, log_probs[row, : len(token_ids)].tolist()))
+        return results
+
+    async def _serve_pending(self) -> None:
+        """Run the queued requests in batches until none is left: requests that arrive while a batch
+        generates wait for the next one (vLLM-style batching, without continuous batching)."""
+        try:
+            while self._pending:
+                await asyncio.sleep(self.BATCH_WAIT_S)  # let the rest of a burst of requests arrive
+                pending, self._pending = self._pending, []
+                groups: dict[tuple, list] = {}
+                for request in pending:
+                    groups.setdefault(request[1], []).append(request)
+                for key, requests in groups.items():
+                    for first in range(0, len(requests), self.max_batch_rows):
+                        chunk = requests[first : first + self.max_batch_rows]
+                        try:
+                            results = await asyncio.to_thread(self._generate_batch, [r[0] for r in chunk], key)
+                        except Exception as error:  # the callers see the error, the server keeps serving
+                            for request in chunk:
+                                if not request[2].done():
+                                    request[2].set_exception(error)
+                            continue
+                        for request, result in zip(chunk, results):
+                            if not request[2].done():
+                                request[2].set_result(result)
+        finally:
+            self._server_task = None
 
     async def generate(
         self,
@@ -198,12 +249,17 @@ class HFServer:
         priority: int = 0,
         **kwargs: Any,
     ) -> TokenOutput:
-        """Token-in/token-out generation for one request (verl's LLM-server contract)."""
+        """Token-in/token-out generation for one request (verl's LLM-server contract); concurrent
+        requests with the same settings are generated as one batch."""
         if image_data or video_data or audio_data:
             raise NotImplementedError("the hf CPU rollout is text-only")
         prompt_ids = [int(t) for t in prompt_ids]
         want_log_probs = bool(sampling_params.get("logprobs", False))
-        token_ids, log_probs = await asyncio.to_thread(self._generate_sync, prompt_ids, sampling_params)
+        done = asyncio.get_running_loop().create_future()
+        self._pending.append((prompt_ids, self._request_key(len(prompt_ids), sampling_params), done))
+        if self._server_task is None:
+            self._server_task = asyncio.create_task(self._serve_pending())
+        token_ids, log_probs = await done
         return TokenOutput(
             token_ids=token_ids,
             log_probs=log_probs if want_log_probs else None,
