@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-if ! python -c "import torch, verl, verl_oar, math_verify, pytest, hypothesis" >/dev/null 2>&1; then
+if ! python -c "import torch, verl, verl_oar, math_verify, matplotlib, pytest, hypothesis" >/dev/null 2>&1; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
   python -m pip install -q -e ".[test]"
