@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The main job: a short OAR-G training of a tiny model through verl's real trainer in CPU mode.
+# The main job: GRPO vs OAR-G vs OAR-P on the chain_sum testbed through verl's real trainer on CPU
+# (a few seeds), the importance estimators against the oracle, and an HTML report in ./oar_demo.
+# Flags go to python -m verl_oar.testbed.demo (--help lists them: seeds, steps, task size, methods).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
-exec python -m verl_oar.cpu.launch --adv-estimator oar_g "$@"
+exec python -m verl_oar.testbed.demo "$@"

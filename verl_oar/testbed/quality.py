@@ -352,6 +352,72 @@ def print_table(report: dict) -> None:
           f"{report['estimators']['random']['answer_flip_counted']}; {report['seconds']} s")
 
 
+@dataclass
+class QualityResult:
+    """``run_quality``'s output: the JSON-ready report, and what it was computed on (for heatmaps)."""
+
+    report: dict
+    batch: Batch
+    scores: dict[str, Tensor]
+    """estimator -> (B, T) response-coordinate scores of ``batch``'s rows"""
+    tokenizer: object
+
+
+def run_quality(
+    bed: Testbed, *, samples: int = 48, seed: int = 0, fracs: Sequence[float] = (0.05, 0.1, 0.2), neutral: str = "space"
+) -> QualityResult:
+    """Steps 2-6 of the module docstring on the testbed's warm-started model."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_oar.answer_span import find_answer_span
+    from verl_oar.cpu.workspace import build_tokenizer
+
+    if samples < 1 or not all(0 < f <= 1 for f in fracs):
+        raise ValueError(f"samples must be >= 1 and every fraction in (0, 1]; got {samples}, {list(fracs)}")
+    start = time.time()
+    tokenizer = build_tokenizer()  # the testbed's tokenizer, rebuilt (identical by construction)
+    model = AutoModelForCausalLM.from_pretrained(bed.model_dir, dtype=torch.float32).eval()
+    neutral_id = tokenizer.encode(" ", add_special_tokens=False)[0] if neutral == "space" else tokenizer.pad_token_id
+
+    import pandas as pd
+
+    val = pd.read_parquet(bed.val_file)
+    rows = [val.iloc[i % len(val)] for i in range(samples)]
+    prompts = [r["extra_info"]["question"] for r in rows]
+    truths = [str(r["reward_model"]["ground_truth"]) for r in rows]
+    sampled = sample_responses(model, tokenizer, prompts, seed=seed, max_new_tokens=max_response_tokens(bed.spec))
+    texts = [tokenizer.decode(r, skip_special_tokens=True) for _, r in sampled]
+
+    def correct(text: str, truth: str) -> bool:
+        span = find_answer_span(text)
+        return span is not None and text[span.start : span.end].strip() == truth
+
+    sampled_accuracy = sum(correct(t, s) for t, s in zip(texts, truths)) / len(texts)
+    batch, skipped = make_batch(sampled, truths, tokenizer)
+
+    scores, seconds = all_scores(model, batch, neutral_id, seed)
+    estimators = measure(model, tokenizer, batch, scores, fracs, neutral_id=neutral_id, seed=seed)
+    for name in ESTIMATORS:
+        estimators[name]["seconds"] = seconds[name]
+    report = {
+        "config": {"workdir": str(bed.root), "samples": samples, "seed": seed, "fracs": list(fracs),
+                   "neutral": neutral, "neutral_id": neutral_id,
+                   "seeds": {"sampling": seed, "oar_g_noise": seed + 1, "random": seed + 2,
+                             "tie_breaking": seed + 3}},
+        "testbed": {"spec": bed.manifest["spec"], "warm_start": bed.manifest["warm_start"],
+                    "val_samples": bed.manifest["val_samples"]},
+        "samples": {"total": samples, "counted": int(batch.ids.shape[0]), "skipped": skipped,
+                    "sampled_accuracy": sampled_accuracy,
+                    "mean_reasoning_tokens": float(batch.oracle["reasoning"].sum(1).float().mean()),
+                    "mean_direct_tokens": float(batch.oracle["direct"].sum(1).float().mean()),
+                    "mean_chain_tokens": float(batch.oracle["chain"].sum(1).float().mean())},
+        "expected_random_recall": {str(f): v for f, v in expected_random_recall(batch, fracs).items()},
+        "estimators": estimators,
+        "seconds": round(time.time() - start, 1),
+    }
+    return QualityResult(report, batch, scores, tokenizer)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=DEFAULT_WORKDIR, help="testbed directory (built there if absent)")
@@ -364,54 +430,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     fracs = [float(f) for f in args.fracs.split(",")]
     if args.samples < 1 or not all(0 < f <= 1 for f in fracs):
         parser.error("--samples must be >= 1 and every --fracs value in (0, 1]")
-
-    from transformers import AutoModelForCausalLM
-
-    from verl_oar.cpu.workspace import build_tokenizer
-
-    start = time.time()
-    bed = load_testbed(args.workdir)
-    tokenizer = build_tokenizer()  # the testbed's tokenizer, rebuilt (identical by construction)
-    model = AutoModelForCausalLM.from_pretrained(bed.model_dir, dtype=torch.float32).eval()
-    neutral_id = tokenizer.encode(" ", add_special_tokens=False)[0] if args.neutral == "space" else tokenizer.pad_token_id
-
-    import pandas as pd
-
-    val = pd.read_parquet(bed.val_file)
-    rows = [val.iloc[i % len(val)] for i in range(args.samples)]
-    prompts = [r["extra_info"]["question"] for r in rows]
-    truths = [str(r["reward_model"]["ground_truth"]) for r in rows]
-    samples = sample_responses(model, tokenizer, prompts, seed=args.seed, max_new_tokens=max_response_tokens(bed.spec))
-    texts = [tokenizer.decode(r, skip_special_tokens=True) for _, r in samples]
-    from verl_oar.answer_span import find_answer_span
-
-    def correct(text: str, truth: str) -> bool:
-        span = find_answer_span(text)
-        return span is not None and text[span.start : span.end].strip() == truth
-
-    sampled_accuracy = sum(correct(t, s) for t, s in zip(texts, truths)) / len(texts)
-    batch, skipped = make_batch(samples, truths, tokenizer)
-
-    scores, seconds = all_scores(model, batch, neutral_id, args.seed)
-    estimators = measure(model, tokenizer, batch, scores, fracs, neutral_id=neutral_id, seed=args.seed)
-    for name in ESTIMATORS:
-        estimators[name]["seconds"] = seconds[name]
-    report = {
-        "config": {"workdir": str(bed.root), "samples": args.samples, "seed": args.seed, "fracs": fracs,
-                   "neutral": args.neutral, "neutral_id": neutral_id,
-                   "seeds": {"sampling": args.seed, "oar_g_noise": args.seed + 1, "random": args.seed + 2,
-                             "tie_breaking": args.seed + 3}},
-        "testbed": {"spec": bed.manifest["spec"], "warm_start": bed.manifest["warm_start"],
-                    "val_samples": bed.manifest["val_samples"]},
-        "samples": {"total": args.samples, "counted": int(batch.ids.shape[0]), "skipped": skipped,
-                    "sampled_accuracy": sampled_accuracy,
-                    "mean_reasoning_tokens": float(batch.oracle["reasoning"].sum(1).float().mean()),
-                    "mean_direct_tokens": float(batch.oracle["direct"].sum(1).float().mean()),
-                    "mean_chain_tokens": float(batch.oracle["chain"].sum(1).float().mean())},
-        "expected_random_recall": {str(f): v for f, v in expected_random_recall(batch, fracs).items()},
-        "estimators": estimators,
-        "seconds": round(time.time() - start, 1),
-    }
+    report = run_quality(load_testbed(args.workdir), samples=args.samples, seed=args.seed, fracs=fracs,
+                         neutral=args.neutral).report
     print_table(report)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
