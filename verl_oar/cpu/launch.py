@@ -98,10 +98,10 @@ def run_trainer(cmd: list[str], metrics_path: Path, *, cwd: Path, timeout_s: flo
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         print(f"[verl-oar cpu] trainer exceeded {timeout_s} s; stopping it", flush=True)
-        _stop(proc)
+        stop_process_group(proc)
         rc = 124
     except KeyboardInterrupt:
-        _stop(proc)
+        stop_process_group(proc)
         raise
     records = read_metrics(metrics_path)
     for record in records:
@@ -117,7 +117,7 @@ def run_trainer(cmd: list[str], metrics_path: Path, *, cwd: Path, timeout_s: flo
     return rc
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process_group(proc: subprocess.Popen) -> None:
     """Stop the trainer's process group (it started its own session), then the process itself."""
     import signal
 

@@ -116,16 +116,22 @@ def plot_step_time(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _estimator_curves(ax, quality: dict, values) -> None:
+    """One line per estimator over the top-K% fractions; ``values(row, frac)`` gives the y value."""
+    fracs = quality["config"]["fracs"]
+    for name, row in quality["estimators"].items():
+        label, color, style = ESTIMATOR_STYLE.get(name, (name, None, "-"))
+        ax.plot([100 * f for f in fracs], [values(row, str(f)) for f in fracs], style, marker="o", color=color,
+                label=label)
+
+
 def plot_recall(summary: dict, path: Path) -> None:
     plt = _plt()
     q = summary["quality"]
     fracs = q["config"]["fracs"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, oracle in zip(axes, ("direct", "chain")):
-        for name, row in q["estimators"].items():
-            label, color, style = ESTIMATOR_STYLE.get(name, (name, None, "-"))
-            ax.plot([100 * f for f in fracs], [row["recall"][oracle][str(f)] for f in fracs], style, marker="o",
-                    color=color, label=label)
+        _estimator_curves(ax, q, lambda row, f, oracle=oracle: row["recall"][oracle][f])
         ax.plot([100 * f for f in fracs], [q["expected_random_recall"][str(f)] for f in fracs], color="#bbbbbb",
                 lw=3, alpha=0.5, label="E[random]")
         ax.set(xlabel="top K% of reasoning tokens", ylabel="recall", ylim=(0, 1.05),
@@ -138,15 +144,10 @@ def plot_recall(summary: dict, path: Path) -> None:
 
 def plot_counterfactual(summary: dict, path: Path) -> None:
     plt = _plt()
-    q = summary["quality"]
-    fracs = q["config"]["fracs"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "accuracy_drop", "Accuracy drop (truth: the sum)"),
                            (axes[1], "answer_flip", "Answer flip (truth: the model's own answer)")):
-        for name, row in q["estimators"].items():
-            label, color, style = ESTIMATOR_STYLE.get(name, (name, None, "-"))
-            ax.plot([100 * f for f in fracs], [row[key][str(f)] for f in fracs], style, marker="o", color=color,
-                    label=label)
+        _estimator_curves(ax, summary["quality"], lambda row, f, key=key: row[key][f])
         ax.set(xlabel="top K% of reasoning tokens occluded", ylabel="rate", title=title)
     axes[1].legend(fontsize=7)
     fig.tight_layout()

@@ -23,7 +23,6 @@ Testbed settings, and why:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl_oar.cpu.launch import trainer_env
+from verl_oar.cpu.launch import stop_process_group, trainer_env
 from verl_oar.cpu.overrides import cpu_overrides
 from verl_oar.testbed.workspace import Testbed, max_response_tokens
 
@@ -163,7 +162,7 @@ def run_all(
             _report_progress(run, total_steps, log)
             if run.process.poll() is not None or (timeout_s and time.time() - run.started > timeout_s):
                 if run.process.poll() is None:
-                    _stop(run.process)
+                    stop_process_group(run.process)
                     log(f"{run.label}: stopped after {timeout_s:.0f} s")
                 run.returncode = run.process.returncode
                 run.finished = time.time()
@@ -203,20 +202,6 @@ def _report_progress(run: Run, total_steps: int, log: Callable[[str], None]) -> 
             f" ({data.get('timing_s/step', float('nan')):.1f} s/step)"
         )
     run.steps_seen = len(records)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
 
 
 def make_runs(
