@@ -172,14 +172,15 @@ def plot_heatmaps(summary: dict, out: Path) -> list[str]:
 def _headline_table(summary: dict) -> str:
     d = summary["dynamics"]
     head = ("<tr><th>method</th><th>steps to threshold (per seed)</th><th>ratio to GRPO</th><th>variance ratio</th>"
-            "<th>mean reward</th><th>final reward (smoothed)</th><th>held-out acc. before &rarr; after</th>"
+            "<th>mean reward</th><th>mean reward per seed</th><th>final reward (smoothed)</th><th>held-out acc. before &rarr; after</th>"
             "<th>s / step</th><th>importance s / step</th></tr>")
     rows = []
     for m, r in d["methods"].items():
         reached = ", ".join("never" if s is None else str(s) for s in r["steps_to_threshold"])
+        per_seed = ", ".join(_fmt(sum(run["reward"]) / len(run["reward"]), 3) for run in summary["runs"][m])
         rows.append(
             f"<tr><td>{LABELS.get(m, m)}</td><td>{reached}</td><td>{_fmt(r['steps_ratio'])}</td>"
-            f"<td>{_fmt(r['variance_ratio'])}</td><td>{_fmt(r['mean_reward'], 3)}</td><td>{_fmt(r['final_reward'], 3)}</td>"
+            f"<td>{_fmt(r['variance_ratio'])}</td><td>{_fmt(r['mean_reward'], 3)}</td><td>{per_seed}</td><td>{_fmt(r['final_reward'], 3)}</td>"
             f"<td>{_fmt(r['val_accuracy_start'])} &rarr; {_fmt(r['val_accuracy_end'])}</td>"
             f"<td>{_fmt(r['median_step_seconds'], 1)}</td><td>{_fmt(r['median_importance_seconds'], 2)}</td></tr>"
         )
@@ -235,7 +236,8 @@ Reward = 1 for the right sum, else 0, so the training reward is the accuracy of 
 <h2>Training dynamics</h2>
 <p>Threshold: {threshold}; smoothing window {d['window']} steps. A run that never reaches it counts as
 steps + 1 in the mean (a lower bound). Variance: per step, the variance over seeds of the smoothed reward, averaged
-over steps.</p>
+over steps. With {len(summary['seeds'])} seed(s) these ratios are noisy: compare the methods' differences with the
+spread of each method's per-seed mean reward before reading an effect into them.</p>
 {_headline_table(summary)}
 {img('reward.png', 'reward vs step')}{img('ratios.png', 'ratios')}{img('step_time.png', 'wall-clock per step')}
 <h2>Importance quality (warm-started model, {s['counted']} of {s['total']} sampled responses with an oracle)</h2>
