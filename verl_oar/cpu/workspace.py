@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -213,31 +214,26 @@ def _prompt_ids(tokenizer, question: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def warm_start(model, tokenizer, pairs: list[tuple[int, int]], spec: WorkspaceSpec) -> dict:
-    """Supervised fine-tuning on templated responses ending in ``\\boxed{a+b}<|im_end|>``.
-
-    Plain torch loop; the loss is on response tokens only. Returns {"steps", "final_loss", "seconds"}.
-    """
+def supervised_steps(
+    model, tokenizer, examples: Sequence[tuple[list[int], list[int]]], rng: random.Random, *, steps: int,
+    batch_size: int, lr: float, pad_to: int | None = None, log=print,
+) -> list[float]:
+    """Next-token loss on the response tokens of ``(prompt ids, response ids)`` examples: ``steps``
+    AdamW steps (20 warm-up steps, then constant ``lr``) on batches drawn with ``rng``, right-padded
+    to ``pad_to`` tokens (None: the batch's longest). Leaves the model in eval mode; returns the loss
+    of every step (nats/token)."""
     import torch
 
-    rng = random.Random(spec.seed + 1)
-    examples = []
-    for a, b in pairs:
-        prompt = _prompt_ids(tokenizer, _question(a, b))
-        for template in RESPONSE_TEMPLATES:
-            response = tokenizer.encode(template.format(a=a, b=b, c=a + b), add_special_tokens=False)
-            examples.append((prompt, response + [tokenizer.eos_token_id]))
-    max_len = max(len(p) + len(r) for p, r in examples)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     model.train()
-    start, loss_value = time.time(), float("nan")
-    for step in range(spec.warm_start_steps):
-        batch = [examples[rng.randrange(len(examples))] for _ in range(spec.warm_start_batch_size)]
-        input_ids = torch.full((len(batch), max_len), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(batch), max_len), -100, dtype=torch.long)
-        attention = torch.zeros((len(batch), max_len), dtype=torch.long)
+    losses = []
+    for step in range(steps):
+        batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        length = pad_to or max(len(p) + len(r) for p, r in batch)
+        input_ids = torch.full((len(batch), length), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(batch), length), -100, dtype=torch.long)
+        attention = torch.zeros((len(batch), length), dtype=torch.long)
         for row, (prompt, response) in enumerate(batch):
             ids = prompt + response
             input_ids[row, : len(ids)] = torch.tensor(ids)
@@ -249,10 +245,32 @@ def warm_start(model, tokenizer, pairs: list[tuple[int, int]], spec: WorkspaceSp
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        loss_value = loss.item()
-        if step % 100 == 0 or step == spec.warm_start_steps - 1:
-            _log(f"warm start step {step:4d}/{spec.warm_start_steps} loss {loss_value:.3f}")
+        losses.append(loss.item())
+        if step % 100 == 0 or step == steps - 1:
+            log(f"warm start step {step:4d}/{steps} loss {losses[-1]:.3f}")
     model.eval()
+    return losses
+
+
+def warm_start(model, tokenizer, pairs: list[tuple[int, int]], spec: WorkspaceSpec) -> dict:
+    """Supervised fine-tuning on templated responses ending in ``\\boxed{a+b}<|im_end|>``.
+
+    Plain torch loop; the loss is on response tokens only. Returns {"steps", "final_loss", "seconds"}.
+    """
+    rng = random.Random(spec.seed + 1)
+    examples = []
+    for a, b in pairs:
+        prompt = _prompt_ids(tokenizer, _question(a, b))
+        for template in RESPONSE_TEMPLATES:
+            response = tokenizer.encode(template.format(a=a, b=b, c=a + b), add_special_tokens=False)
+            examples.append((prompt, response + [tokenizer.eos_token_id]))
+    max_len = max(len(p) + len(r) for p, r in examples)
+    start = time.time()
+    losses = supervised_steps(
+        model, tokenizer, examples, rng, steps=spec.warm_start_steps, batch_size=spec.warm_start_batch_size,
+        lr=spec.warm_start_lr, pad_to=max_len, log=_log,
+    )
+    loss_value = losses[-1] if losses else float("nan")
     return {
         "steps": spec.warm_start_steps,
         "final_loss": round(loss_value, 4),

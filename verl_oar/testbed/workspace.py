@@ -45,6 +45,7 @@ from verl_oar.cpu.workspace import (
     build_tokenizer,
     read_manifest,
     save_model_dir,
+    supervised_steps,
 )
 from verl_oar.testbed.chain_sum import (
     ChainSumProblem,
@@ -213,38 +214,16 @@ def warm_start(model, tokenizer, problems: Sequence[ChainSumProblem], spec: Test
     Plain torch loop, AdamW with 20 warm-up steps then constant lr. Returns {"steps", "final_loss"
     (mean of the last 20 steps, nats/token), "seconds"}.
     """
-    import torch
-
     rng = random.Random(f"{spec.seed}/warm_start")
     examples = [
         (_prompt_ids(tokenizer, p.prompt), tokenizer.encode(p.response, add_special_tokens=False) + [tokenizer.eos_token_id])
         for p in problems
     ]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
-    model.train()
-    start, losses = time.time(), []
-    for step in range(spec.warm_start_steps):
-        batch = [examples[rng.randrange(len(examples))] for _ in range(spec.warm_start_batch_size)]
-        length = max(len(p) + len(r) for p, r in batch)
-        input_ids = torch.full((len(batch), length), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(batch), length), -100, dtype=torch.long)
-        attention = torch.zeros((len(batch), length), dtype=torch.long)
-        for row, (prompt, response) in enumerate(batch):
-            ids = prompt + response
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, len(prompt) : len(ids)] = torch.tensor(response)
-            attention[row, : len(ids)] = 1
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % 100 == 0 or step == spec.warm_start_steps - 1:
-            _log(f"warm start step {step:4d}/{spec.warm_start_steps} loss {losses[-1]:.3f}")
-    model.eval()
+    start = time.time()
+    losses = supervised_steps(
+        model, tokenizer, examples, rng, steps=spec.warm_start_steps, batch_size=spec.warm_start_batch_size,
+        lr=spec.warm_start_lr, log=_log,
+    )
     tail = losses[-20:]
     return {
         "steps": spec.warm_start_steps,
