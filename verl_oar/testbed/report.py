@@ -156,7 +156,7 @@ def plot_counterfactual(summary: dict, path: Path) -> None:
 
 
 def plot_heatmaps(summary: dict, out: Path) -> list[str]:
-    """One PNG per example; returns the file names and the HTML blocks' source (via heatmap_render)."""
+    """One PNG per example (``heatmap_render.render_png``); returns the file names."""
     from verl_oar.heatmap_render import render_png
 
     names = []
