@@ -503,7 +503,13 @@ def run(args) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """The CLI, callable in-process: returns the JSON content; bad input exits with its message."""
+    from verl_oar.heatmap_render import MissingMatplotlib, require_matplotlib
+
     args = build_parser().parse_args(argv)
+    try:
+        require_matplotlib("python -m verl_oar.heatmap's PNG heatmaps")  # before any model is loaded
+    except MissingMatplotlib as err:
+        raise SystemExit(f"verl_oar.heatmap: {err}") from None
     try:
         report = run(args)
     except HeatmapInputError as err:

@@ -21,7 +21,8 @@ import html
 import math
 from collections.abc import Sequence
 
-__all__ = ["NOTE", "display_token", "html_block", "html_page", "normalised", "render_png"]
+__all__ = ["NOTE", "PLOT_EXTRA_HINT", "MissingMatplotlib", "display_token", "html_block", "html_page", "normalised",
+           "render_png", "require_matplotlib"]
 
 Row = tuple[str, Sequence[float]]
 Mask = tuple[str, Sequence[bool]]
@@ -35,6 +36,23 @@ MAX_TITLE_CHARS = 160
 """PNG title lines are cut here"""
 MAX_TOKEN_CHARS = 16
 """longer tokens are cut (with an ellipsis) so that one token cannot widen a whole line"""
+
+
+PLOT_EXTRA_HINT = "pip install 'verl-oar[plot]'"
+"""the fix for a missing matplotlib: it is verl-oar's ``plot`` extra, not a core dependency"""
+
+
+class MissingMatplotlib(ImportError):
+    """matplotlib, which the PNG figures need, is not installed; the message is one line naming the fix."""
+
+
+def require_matplotlib(what: str = "the PNG heatmaps") -> None:
+    """Raise :class:`MissingMatplotlib` unless matplotlib imports. Commands call it at their entry
+    point, before any work, and turn it into a one-line exit message instead of a traceback."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise MissingMatplotlib(f"{what} need matplotlib, which is not installed ({err}): {PLOT_EXTRA_HINT}") from err
 
 
 def display_token(token: str) -> str:
@@ -127,6 +145,7 @@ def render_png(
         wrap: tokens per line.
         weights: OAR weight rows, T floats each, on a diverging scale centred at 1.
     """
+    require_matplotlib()
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PatchCollection
