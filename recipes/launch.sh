@@ -15,7 +15,7 @@
 #   MODEL_PATH     a local checkpoint instead of the recipe's hub name
 #   NNODES, GPUS_PER_NODE   the cluster (default 1 x 8); train_batch_size stays the recipe's
 #   RAY_ADDRESS    a running Ray cluster's dashboard, e.g. http://10.0.0.1:8265: submit with
-#                  `ray job submit` instead of running here (multi-node, see docs/recipes.md)
+#                  `ray job submit` instead of running here (multi-node, see docs/recipes/README.md)
 #   PYTHON         the interpreter (default python3)
 # Later overrides win: anything the recipe or this script sets can be overridden on the command line.
 set -euo pipefail
