@@ -92,8 +92,8 @@ TEXT_CASES = [
     ("#### 1\nnope\n####   2  \nend", "2", "####"),
     ("The answer is 42.", "42", "The answer is"),
     ("so THE ANSWER IS: 3.14. More text", "3.14", "THE ANSWER IS"),
-    ("the answer is $\\frac{1}{2}$.\nDone", "$\\frac{1}{2}$", "the answer is"),
-    ("The final answer is $7$. I hope it is correct.", "$7$", "The final answer is"),
+    ("the answer is $\\frac{1}{2}$.\nDone", "\\frac{1}{2}", "the answer is"),      # one $ pair stripped
+    ("The final answer is $7$. I hope it is correct.", "7", "The final answer is"),
     ("The answer isn't obvious, is it", None, None),
     ("The answer is", None, None),
     ("\\boxed{}", None, None),
@@ -102,6 +102,70 @@ TEXT_CASES = [
     ("", None, None),
     ("所以答案是 \\boxed{3×π}。", "3×π", "\\boxed"),
     ("\\boxedx{3}", None, None),
+    # a box in display or inline math: the delimiters never enter the span
+    ("\\[ \\boxed{42} \\]", "42", "\\boxed"),
+    ("\\[ \\boxed 42 \\]", "42", "\\boxed"),
+    ("\\( \\boxed 42 \\)", "42", "\\boxed"),
+    ("so $\\boxed{42}$.", "42", "\\boxed"),
+    ("so $\\boxed 42$.", "42", "\\boxed"),
+    ("The answer is 9.\n\\boxed{10}", "10", "\\boxed"),                    # a box beats everything
+    # labels: DAPO-Math's "Answer:" line, markdown variants
+    ("Compute 6 * 7.\nAnswer: 42", "42", "Answer: 42"),
+    ("so it is 41... no.\nanswer: 42\n", "42", "answer:"),
+    ("**Answer:** $\\frac{1}{2}$", "\\frac{1}{2}", "**Answer:**"),
+    ("**Answer**: 12.", "12", "**Answer**:"),
+    ("ANSWER : -3", "-3", "ANSWER :"),
+    ("x\n  > __Answer__: 5", "5", "> __Answer__"),                       # marker: first non-blank
+    ("Answer: 4\nchecking...\nAnswer: 5", "5", "Answer: 5"),              # the last label
+    ("Answer: *x*", "*x*", "Answer:"),                                    # no opening emphasis: * is content
+    ("Answer: 3, since 3 is odd.", "3", "Answer:"),
+    ("Answers: 5 and 6", None, None),
+    ("Answer the question. The answer is 4.", "4", "The answer is"),     # no colon: not a label
+    ("Answer:\n\n", None, None),
+    ("The answer is 9.\nAnswer:", "9", "The answer is"),                  # the last label is empty
+    ("Final Answer: 7", "7", "Final Answer"),
+    ("**Final Answer**: 7", "7", "**Final Answer**"),
+    ("**Final Answer:** 7", "7", "**Final Answer:**"),
+    ("## Final Answer\n\n$$\\frac{\\pi}{4}$$", "\\frac{\\pi}{4}", "## Final Answer"),
+    ("**Final Answer**\n\\[\n2\\sqrt{3}.\n\\]", "2\\sqrt{3}", "**Final Answer**"),   # display block
+    ("Final Answer: The final answer is $7$. I hope it is correct.", "7", "Final Answer:"),  # Minerva
+    ("### Final Answer\nThus the answer is 12, because 3 * 4 = 12.", "12", "### Final Answer"),
+    ("Answer:\nThe answer is 9.", "9", "Answer:"),
+    ("#### Final Answer\n9", "9", "#### Final Answer"),                  # label beats #### at one place
+    ("##### 5", None, None),                                             # exactly four #
+    # equal rank: the later marker; rank 2 beats rank 3
+    ("Answer: 8\n#### 9", "9", "####"),
+    ("#### 9\nAnswer: 8", "8", "Answer:"),
+    ("Answer: 8\nThe answer is 9.", "8", "Answer:"),
+    # saying form: math delimiters
+    ("The final answer is $42$.", "42", "The final answer is"),
+    ("The answer is \\(\\frac{1}{2}\\).", "\\frac{1}{2}", "The answer is"),
+    ("The answer is $$x^2$$", "x^2", "The answer is"),
+    ("The answer is $1$ and $2$.", "$1$ and $2$", "The answer is"),       # not one pair: kept
+    ("The final answer is:\n\n\\[\n\\frac{3}{4}\n\\]", "\\frac{3}{4}", "The final answer is:"),
+    ("The answer is\n42", None, None),                                   # no colon: same line only
+    ("My final answer is 0.5.", "0.5", "My final answer is"),
+    ("Final answer is 6", "6", "Final answer is"),
+    ("The answer is 3。所以", "3", "The answer is"),
+    # saying form: the justification cut-off
+    ("The answer is 3, since 3 is odd.", "3", "The answer is"),
+    ("THE ANSWER IS 7, SINCE", "7", "THE ANSWER IS"),
+    ("The answer is 3; because 3 is odd", "3", "The answer is"),
+    ("The answer is 12, as computed above.", "12", "The answer is"),
+    ("The answer is 3 because 3 is odd.", "3", "The answer is"),         # bare "because"
+    ("The answer is $x^2$, where $x$ is the side.", "x^2", "The answer is"),
+    ("The answer is 5, i.e. five.", "5", "The answer is"),
+    ("The answer is 7, sincerely", "7, sincerely", "The answer is"),      # whole words only
+    ("The answer is 1,000", "1,000", "The answer is"),                    # no space: a number
+    ("The answer is 1,000, so we are done.", "1,000", "The answer is"),
+    ("The answer is (1, 2), which is the only pair", "(1, 2)", "The answer is"),
+    ("The answer is [0, 1), since f is increasing", "[0, 1)", "The answer is"),
+    ("The answer is \\{1, 2\\}, and no other set.", "\\{1, 2\\}", "The answer is"),
+    ("The answer is $a, b$, so", "a, b", "The answer is"),                 # no cut inside $...$
+    ("The answer is x = 3, y = 4.", "x = 3, y = 4", "The answer is"),     # a list of values
+    ("The answer is x = 3, and y = 4.", "x = 3", "The answer is"),        # ", and" cuts (documented)
+    ("The answer is $5, so she pays.", "$5", "The answer is"),            # a lone $ is a character
+    ("The answer is 1, 2, 3, ...", "1, 2, 3, ...", "The answer is"),      # an ellipsis keeps its dots
 ]
 
 

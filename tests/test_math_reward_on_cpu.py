@@ -27,7 +27,7 @@ CASES = [
     # GSM8K: thousands separators, #### responses, "The answer is"
     ("48/2 = 24\n#### 1,000", "1000", 1.0, "1,000"),
     ("So the answer is 1,000.", "1000", 1.0, "1,000"),
-    ("The final answer is $\\frac{3}{4}$. I hope it is correct.", "0.75", 1.0, "$\\frac{3}{4}$"),
+    ("The final answer is $\\frac{3}{4}$. I hope it is correct.", "0.75", 1.0, "\\frac{3}{4}"),
     # nested braces
     ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt 3}{2}", 1.0, "\\frac{\\sqrt{3}}{2}"),
     # wrong answers

@@ -1,18 +1,56 @@
 """Answer span: where the final answer of a math response is, in characters and in tokens.
 
 OAR grounds token importance on the model's prediction of the *final answer*; the tokens before
-the answer are the *reasoning* tokens that get reshaped. For math the final answer is, in order of
-precedence (only the last occurrence of a marker counts):
+the answer are the *reasoning* tokens that get reshaped. For math the final answer is found by three
+rules of decreasing rank; a rule is consulted only when the ones above it found nothing, and within a
+rule only the *last* marker in the text counts (if that marker has no content, the rule finds nothing:
+an earlier marker of the same rule is not used):
 
-1. the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (nested braces matched, ``\\{``
-   and ``\\}`` escaped), or of ``\\boxed <content>`` (up to ``$`` or the end of the line, as in
-   verl's and Hendrycks' ``last_boxed_only_string``). An unclosed last box (a truncated response)
-   or an empty one falls through to 2;
-2. what follows the last ``####`` up to the end of its line (GSM8K);
-3. what follows the last "The answer is" / "The final answer is" (case-insensitive, optional colon)
-   up to the end of its sentence (a period followed by whitespace or the end) or line, with a
-   trailing period stripped.
-Content is trimmed of surrounding whitespace; empty content is "not found".
+1. **Box**: the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (nested braces matched, ``\\{``
+   and ``\\}`` escaped), or of ``\\boxed <content>`` (up to ``$``, ``\\]``, ``\\)`` or the end of the
+   line, as in verl's and Hendrycks' ``last_boxed_only_string``). A box inside display or inline math
+   (``\\[ \\boxed{42} \\]``, ``$\\boxed{42}$``) gives the box's content: the math delimiters are never
+   part of it. An unclosed last box (a truncated response) or an empty one falls through to 2.
+2. **Explicit marker**, the later of the two kinds below (by the marker's first character; a label
+   beats a ``####`` that starts at the same character, as in the heading ``#### Final Answer``):
+
+   * a *label*: a line whose first non-blank characters are ``Answer`` or ``Final Answer``
+     (case-insensitive), optionally after a quote ``>``, a heading ``#``..``######`` and markdown emphasis
+     (``**Answer:**``, ``**Answer**:``, ``__Final Answer__:``, ``## Final Answer``), followed by a colon,
+     or by nothing else on its line (a heading). ``Answer: 42`` is DAPO-Math's required last line. The
+     content is the rest of the label's line; when that is blank, the next non-blank line. If that
+     content line contains a saying-form phrase (rule 3, e.g. Minerva's ``Final Answer: The final
+     answer is $42$. I hope it is correct.``), the content starts after its last phrase on that line.
+     The marker (``marker_start``) is still the label. ``Answer the question`` is no label (no colon);
+   * ``####`` (exactly four, GSM8K): the content is the rest of its line.
+3. **Saying form**: the last "The answer is" / "The final answer is" (also "my", "our" for "the", or
+   "Final answer is"; case-insensitive, optional colon). The content is the rest of its line; when that
+   is blank and the phrase ends with a colon (``The final answer is:`` then display math), the next
+   non-blank line.
+
+The content of rules 2 and 3 (a *phrase*) is read from its start to the first of, at top level:
+
+* the end of the line (a display-math block ``$$``/``\\[`` opened at the start of the content and
+  closed on a later line is read whole);
+* a sentence end: ``.`` followed by whitespace or the end of the text (not the last dot of ``..``),
+  or ``。``;
+* a *justification*: ``,`` or ``;``, whitespace, then one of the words since, because, as, so,
+  which, where, whereas, while, and, but, therefore, thus, hence, given, i.e., e.g. (a whole word,
+  any case); or whitespace then ``because`` / ``since`` with no punctuation (subordinators that no
+  math answer contains). ``The answer is 3, since 3 is odd.`` -> ``3``.
+
+*Top level* means outside ``(...)``, ``[...]``, ``{...}``, ``\\(...\\)``, ``\\[...\\]``, ``\\{...\\}``
+(one depth counter for all brackets, so ``[0, 1)`` is closed; a stray closer does not go below 0)
+and outside ``$...$`` / ``$$...$$`` whose closing ``$`` is on the same line (a lone ``$``, as in the
+amount ``$5, so``, is an ordinary character). So the cut never splits a formula:
+``1,000`` (no space after the comma), ``(1, 2)`` (inside brackets) and ``x = 3, y = 4`` (``y`` is
+no justification word) are kept whole; a comma-separated list of values is one answer (the verifier
+compares it as a tuple/set). ``x = 3, and y = 4`` is cut after ``x = 3``: ", and" is read as the
+start of a justification (write the list without "and" or box it). Then the content is trimmed of
+whitespace, one trailing ``.`` is removed (not from ``...``), and one pair of math delimiters
+enclosing all of it is removed (``$...$``, ``$$...$$``, ``\\(...\\)``, ``\\[...\\]``; only when they
+are a pair, so ``$1$ and $2$`` stays), then trimmed and a trailing ``.`` removed again.
+``The answer is $\\frac{1}{2}$.`` -> ``\\frac{1}{2}``. Empty content is "not found".
 
 Token mapping: the response is decoded once with ``skip_special_tokens=True`` (what verl's reward
 functions grade); every token gets the character span it produced in that text. For byte-level BPE
@@ -21,8 +59,16 @@ UTF-8 bytes are split over several tokens belongs to all of them; other tokenize
 incrementally (a short sliding window, like streaming detokenizers), O(T) small decodes. Either way
 the concatenation is checked against ``tokenizer.decode`` of the whole response.
 
-Reasoning tokens end at or before the answer marker; answer tokens overlap the answer content; the
-marker itself, what follows the answer (closing brace, end of sequence) and padding are neither.
+Reasoning tokens end at or before the answer marker (``marker_start``); answer tokens overlap the
+answer content; the marker itself, what follows the answer (closing brace, justification, end of
+sequence) and padding are neither.
+
+Pluggable locators: :func:`locate_answer_tokens` and :func:`answer_token_masks` take any function
+``text -> AnswerSpan | None`` in place of :func:`find_answer_span` (``verl_oar.answer_locator``
+loads one from ``algorithm.oar.answer_locator``), and :func:`answer_token_masks` takes per-row spans
+given by the caller (e.g. the span the reward function graded, ``"<marker_start>:<start>:<end>"`` in
+its result: :func:`parse_answer_span`). Every span is checked: an :class:`AnswerSpan` of ints with
+``0 <= marker_start <= start < end <= len(text)``, else ValueError naming where it came from.
 """
 
 from __future__ import annotations
@@ -70,16 +116,30 @@ class AnswerSpan:
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_SAY = re.compile(r"\bthe\s+(?:final\s+)?answer\s+is\b[ \t]*:?", re.IGNORECASE)
-_SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
+_EMPHASIS = r"(?:\*{1,2}|_{1,2})"
+_LABEL = re.compile(  # closing emphasis only after an opening one: "Answer: *x*" keeps its "*"
+    r"^[ \t]*(?P<marker>(?:>[ \t]*)?(?:#{1,6}[ \t]*)?(?P<em>" + _EMPHASIS + r"[ \t]*)?"
+    r"(?:final[ \t]+)?answer(?![A-Za-z0-9])[ \t]*(?(em)" + _EMPHASIS + r"?)[ \t]*"
+    r"(?::(?(em)(?:[ \t]*" + _EMPHASIS + r"(?![*_]))?)|(?=[ \t]*$)))",
+    re.IGNORECASE | re.MULTILINE,
+)
+_HASH = re.compile(r"(?<!#)####(?!#)")
+_SAY = re.compile(r"\b(?:(?:the|my|our)\s+(?:final\s+)?|final\s+)answer\s+is\b[ \t]*:?", re.IGNORECASE)
+_JUSTIFICATION = re.compile(
+    r"[,;]\s+(?:(?:since|because|as|so|which|where|whereas|while|and|but|therefore|thus|hence|given)"
+    r"(?![A-Za-z0-9])|i\.e\.|e\.g\.)|\s+(?:because|since)(?![A-Za-z0-9])",
+    re.IGNORECASE,
+)
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
+_MATH_PAIRS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
 
 
 def find_answer_span(text: str) -> AnswerSpan | None:
-    """Locate the final answer of a math response (precedence in the module docstring).
+    """Locate the final answer of a math response (rules and precedence in the module docstring).
 
     Returns None when no marker with non-empty content is found.
     """
-    for finder in (_boxed_span, _hash_span, _saying_span):
+    for finder in (_boxed_span, _marked_span, _saying_span):
         span = finder(text)
         if span is not None:
             return span
@@ -94,11 +154,26 @@ def _trimmed(text: str, marker_start: int, start: int, end: int) -> AnswerSpan |
     return AnswerSpan(marker_start, start, end) if end > start else None
 
 
-def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+def _last_match(pattern: re.Pattern[str], text: str, pos: int = 0, endpos: int | None = None) -> re.Match[str] | None:
     last = None
-    for last in pattern.finditer(text):
+    for last in pattern.finditer(text, pos, len(text) if endpos is None else endpos):
         pass
     return last
+
+
+def _line_end(text: str, pos: int) -> int:
+    end = text.find("\n", pos)
+    return len(text) if end < 0 else end
+
+
+def _next_content_line(text: str, pos: int) -> tuple[int, int] | None:
+    """``(start, end)`` of the first non-blank line after the line holding ``pos``, or None."""
+    end = _line_end(text, pos)
+    while end < len(text):
+        start, end = end + 1, _line_end(text, end + 1)
+        if text[start:end].strip():
+            return start, end
+    return None
 
 
 def _boxed_span(text: str) -> AnswerSpan | None:
@@ -125,31 +200,132 @@ def _boxed_span(text: str) -> AnswerSpan | None:
         return None             # unclosed: truncated response
     if pos == last.end():       # "\boxedx": another macro, or "\boxed" at the very end
         return None
-    end = pos
-    while end < len(text) and text[end] not in "$\n":
+    end = pos                   # "\boxed 5": up to $, \], \) or the end of the line
+    while end < len(text) and text[end] not in "$\n" and not text.startswith(("\\]", "\\)"), end):
         end += 1
     return _trimmed(text, last.start(), pos, end)
 
 
-def _hash_span(text: str) -> AnswerSpan | None:
-    marker = text.rfind("####")
-    if marker < 0:
-        return None
-    start = marker + 4
-    end = text.find("\n", start)
-    return _trimmed(text, marker, start, len(text) if end < 0 else end)
+def _marked_span(text: str) -> AnswerSpan | None:
+    label = _last_match(_LABEL, text)
+    hashes = _last_match(_HASH, text)
+    if label is not None and (hashes is None or label.start("marker") >= hashes.start()):
+        return _label_span(text, label)
+    if hashes is not None:
+        return _phrase_span(text, hashes.start(), hashes.end())
+    return None
+
+
+def _label_span(text: str, label: re.Match[str]) -> AnswerSpan | None:
+    pos, line_end = label.end(), _line_end(text, label.end())
+    if not text[pos:line_end].strip():      # a heading: the answer is on the next non-blank line
+        line = _next_content_line(text, pos)
+        if line is None:
+            return None
+        pos, line_end = line
+    phrase = _last_match(_SAY, text, pos, line_end)
+    return _phrase_span(text, label.start("marker"), pos if phrase is None else phrase.end())
 
 
 def _saying_span(text: str) -> AnswerSpan | None:
     last = _last_match(_SAY, text)
     if last is None:
         return None
-    stop = _SENTENCE_END.search(text, last.end())
-    end = len(text) if stop is None else stop.start()
-    span = _trimmed(text, last.start(), last.end(), end)
-    if span is not None and text[span.end - 1] == ".":
-        span = _trimmed(text, span.marker_start, span.start, span.end - 1)
-    return span
+    pos = last.end()
+    if not text[pos:_line_end(text, pos)].strip() and text[pos - 1] == ":":
+        line = _next_content_line(text, pos)
+        if line is not None:
+            pos = line[0]
+    return _phrase_span(text, last.start(), pos)
+
+
+def _phrase_span(text: str, marker_start: int, pos: int) -> AnswerSpan | None:
+    """The answer content of a phrase that starts at ``pos`` (rules in the module docstring)."""
+    line_end = _line_end(text, pos)
+    while pos < line_end and text[pos].isspace():
+        pos += 1
+    end = _display_block_end(text, pos, line_end)
+    if end is None:
+        end = _phrase_end(text, pos, line_end)
+    span = _trimmed(text, marker_start, pos, end)
+    if span is None:
+        return None
+    start, end = _unwrapped_math(text, span.start, _without_period(text, span.start, span.end))
+    span = _trimmed(text, marker_start, start, end)
+    if span is None:
+        return None
+    return _trimmed(text, marker_start, span.start, _without_period(text, span.start, span.end))
+
+
+def _display_block_end(text: str, pos: int, line_end: int) -> int | None:
+    """End of a ``$$``/``\\[`` display block opened at ``pos`` and closed on a later line, else None."""
+    for opening, closing in _MATH_PAIRS[:2]:
+        if text.startswith(opening, pos):
+            close = text.find(closing, pos + len(opening))
+            if close > line_end:
+                return close + len(closing)
+    return None
+
+
+def _math_end(text: str, pos: int, line_end: int) -> int | None:
+    """End of the ``$...$`` / ``$$...$$`` opened at ``pos`` if it closes on this line, else None."""
+    opening = "$$" if text.startswith("$$", pos) else "$"
+    if opening == "$$":
+        close = text.find("$$", pos + 2, line_end)
+        return None if close < 0 else close + 2
+    close = _UNESCAPED_DOLLAR.search(text, pos + 1, line_end)
+    return None if close is None else close.end()
+
+
+def _phrase_end(text: str, pos: int, line_end: int) -> int:
+    """Where a phrase's content ends: the first top-level sentence end or justification, else the line end."""
+    depth, i = 0, pos
+    while i < line_end:
+        char = text[i]
+        if char == "\\":
+            escaped = text[i + 1:i + 2]
+            if escaped and escaped in "([{":
+                depth += 1
+            elif escaped and escaped in ")]}":
+                depth = max(0, depth - 1)
+            i += 2
+            continue
+        if char == "$":
+            close = _math_end(text, i, line_end)
+            if close is not None:
+                i = close
+                continue
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            if char == "。" or (char == "." and (i + 1 == len(text) or text[i + 1].isspace())
+                                and (i == pos or text[i - 1] != ".")):
+                return i
+            if char in ",; \t" and _JUSTIFICATION.match(text, i, line_end):
+                return i
+        i += 1
+    return line_end
+
+
+def _without_period(text: str, start: int, end: int) -> int:
+    """``end`` less one trailing ``.`` (not the last dot of an ellipsis)."""
+    if end > start and text[end - 1] == "." and not (end - 2 >= start and text[end - 2] == "."):
+        return end - 1
+    return end
+
+
+def _unwrapped_math(text: str, start: int, end: int) -> tuple[int, int]:
+    """``(start, end)`` inside one pair of math delimiters enclosing all of ``text[start:end]``."""
+    for opening, closing in _MATH_PAIRS:
+        inner_start, inner_end = start + len(opening), end - len(closing)
+        if inner_start > inner_end or not (text.startswith(opening, start) and text.startswith(closing, inner_end)):
+            continue
+        inner = text[inner_start:inner_end]
+        paired = _UNESCAPED_DOLLAR.search(inner) is None if opening == "$" else closing not in inner
+        return (inner_start, inner_end) if paired else (start, end)
+    return start, end
 
 
 # ---------------------------------------------------------------------------------------------
