@@ -103,7 +103,7 @@ def hf_reference(model_dir: str, tokenizer, prompts, responses, oar: dict, step:
             answer_positions = torch.nonzero(torch.tensor(located[1])).flatten() + len(p)
             predict[answer_positions - 1] = True
         targets = torch.cat([ids[1:], ids[:1]])
-        noise = sequence_noise([ids], model.config.hidden_size, cfg.seed, step)[0]
+        noise = sequence_noise([ids], model.config.hidden_size, cfg.seed, step, where=[reasoning])[0]
         importance = gradient_importance(
             make_hf_logits_fn(model), model.get_input_embeddings()(ids[None]).detach(), reasoning[None], predict[None],
             targets[None], torch.zeros(1, len(ids), dtype=torch.long), 1, cfg.gradient_config(), noise=noise[None],
@@ -112,7 +112,8 @@ def hf_reference(model_dir: str, tokenizer, prompts, responses, oar: dict, step:
     return out
 
 
-def build_worker(model_dir: str, *, use_remove_padding: bool, use_dynamic_bsz: bool, micro_bsz: int, param_offload: bool):
+def build_worker(model_dir: str, *, use_remove_padding: bool, use_dynamic_bsz: bool, micro_bsz: int, param_offload: bool,
+                 param_dtype: str = "fp32"):
     from _verl_config import compose_ppo_config
 
     from verl_oar.worker import OARActorRolloutRefWorker
@@ -123,7 +124,7 @@ def build_worker(model_dir: str, *, use_remove_padding: bool, use_dynamic_bsz: b
         f"actor_rollout_ref.model.use_remove_padding={use_remove_padding}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.actor.strategy=fsdp2",
-        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={{param_dtype:{param_dtype},reduce_dtype:fp32,buffer_dtype:fp32}}",
         f"actor_rollout_ref.actor.fsdp_config.param_offload={param_offload}",
         "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
@@ -167,6 +168,55 @@ def same(a: dict, b: dict) -> bool:
     return True
 
 
+def maxdiff(a, b) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a.unbind(), b.unbind()))
+
+
+def bitwise_equal(a, b) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind(), strict=True))
+
+
+def fused_vs_verl(worker, tokenizer, oar: dict, step: int) -> dict:
+    """verl's own old-log-prob pass vs the fused one (which also yields importance)."""
+    from verl.utils import tensordict_utils as tu
+
+    plain_data, _, _ = make_batch(tokenizer, oar, step)
+    fused_data, _, _ = make_batch(tokenizer, oar, step)
+    for d in (plain_data, fused_data):
+        tu.assign_non_tensor(d, calculate_entropy=True, compute_loss=False)
+    tu.assign_non_tensor(fused_data, oar_fused=True)
+    plain = worker.compute_log_prob(plain_data)
+    fused = worker.compute_log_prob(fused_data)
+    return {
+        "fused_log_prob_identical": bitwise_equal(fused["log_probs"], plain["log_probs"]),
+        "fused_entropy_identical": bitwise_equal(fused["entropy"], plain["entropy"]),
+        "fused_log_prob_err": maxdiff(fused["log_probs"], plain["log_probs"]),
+        "fused_entropy_err": maxdiff(fused["entropy"], plain["entropy"]),
+        "log_prob_dtype": str(plain["log_probs"].dtype),
+        "fused_importance": fused["oar_importance"],
+    }
+
+
+def zero_noise_importance(worker, tokenizer, step: int) -> float:
+    """The largest OAR-G importance (noisy KL, AS-MEAN, gradient norm) when the noise is zero: the
+    clean and the noisy outcome are then the same computation, so J and dJ/de must be exactly 0."""
+    from verl_oar import engine_gradient
+
+    real = engine_gradient.sequence_noise
+    engine_gradient.sequence_noise = lambda *a, **k: [torch.zeros_like(r) for r in real(*a, **k)]
+    try:
+        oar = dict(objective="noisy_kl", saliency="grad_norm", outcome="mean")
+        data, _, _ = make_batch(tokenizer, oar, step)
+        output = worker.compute_token_importance(data)
+        fused_data, _, _ = make_batch(tokenizer, oar, step)
+        from verl.utils import tensordict_utils as tu
+        tu.assign_non_tensor(fused_data, calculate_entropy=True, compute_loss=False, oar_fused=True)
+        fused = worker.compute_log_prob(fused_data)
+    finally:
+        engine_gradient.sequence_noise = real
+    return max(float(output["oar_importance"].values().abs().max()), float(fused["oar_importance"].values().abs().max()))
+
+
 def main(out_dir: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from transformers import AutoTokenizer
@@ -178,10 +228,16 @@ def main(out_dir: str) -> None:
         dict(use_remove_padding=True, use_dynamic_bsz=False, micro_bsz=2, param_offload=False, objective="loglik"),
         dict(use_remove_padding=False, use_dynamic_bsz=False, micro_bsz=3, param_offload=False, objective="noisy_kl"),
         dict(use_remove_padding=True, use_dynamic_bsz=True, micro_bsz=1, param_offload=True, objective="noisy_kl"),
+        # bf16 mixed precision, as real runs: verl's log-prob pass vs the fused one, and zero noise
+        dict(use_remove_padding=True, use_dynamic_bsz=False, micro_bsz=3, param_offload=False, objective="noisy_kl",
+             param_dtype="bf16"),
+        dict(use_remove_padding=False, use_dynamic_bsz=False, micro_bsz=6, param_offload=False, objective="loglik",
+             param_dtype="bf16"),
     ]
     step = 3
-    for case in cases:
+    for index, case in enumerate(cases):
         oar = dict(objective=case["objective"], saliency="grad_x_input", outcome="mean")
+        bf16 = case.get("param_dtype", "fp32") == "bf16"
         worker = build_worker(model_dir, **{k: v for k, v in case.items() if k != "objective"})
         engine = worker.actor.engine
         # one real optimizer step first, so that there is optimizer state and a .grad to protect
@@ -193,42 +249,32 @@ def main(out_dir: str) -> None:
         output = worker.compute_token_importance(data)
         after = snapshot(engine)
         got = [t.float() for t in output["oar_importance"].unbind()]
-        # the fused path: verl's old-log-prob pass that also yields importance
-        plain_data, _, _ = make_batch(tokenizer, oar, step)
-        fused_data, _, _ = make_batch(tokenizer, oar, step)
-        from verl.utils import tensordict_utils as tu
-        for d in (plain_data, fused_data):
-            tu.assign_non_tensor(d, calculate_entropy=True, compute_loss=False)
-        tu.assign_non_tensor(fused_data, oar_fused=True)
-        plain = worker.compute_log_prob(plain_data)
-        fused = worker.compute_log_prob(fused_data)
+        fused = fused_vs_verl(worker, tokenizer, oar, step)
         after_fused = snapshot(engine)
-
-        def maxdiff(a, b):
-            return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a.unbind(), b.unbind()))
-        # reference with the engine's current weights
-        ref_dir = os.path.join(out_dir, "current")
-        state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in engine.module.state_dict().items()}
-        from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        hf.load_state_dict(state)
-        hf.save_pretrained(ref_dir)
-        tokenizer.save_pretrained(ref_dir)
-        want = hf_reference(ref_dir, tokenizer, prompts, responses, oar, step)
-        err = max(float((g - w).abs().max()) for g, w in zip(got, want))
-        scale = max(float(w.abs().max()) for w in want)
-        print("CASE " + json.dumps({
+        result = {
             **case,
-            "max_abs_err": err,
-            "scale": scale,
             "state_unchanged": same(before, after) and same(before, after_fused),
-            "fused_log_prob_err": maxdiff(fused["log_probs"], plain["log_probs"]),
-            "fused_entropy_err": maxdiff(fused["entropy"], plain["entropy"]),
-            "fused_importance_err": maxdiff(fused["oar_importance"], output["oar_importance"]),
+            "fused_importance_identical": bitwise_equal(fused.pop("fused_importance"), output["oar_importance"]),
+            **fused,
             "reasoning_tokens": int(output["oar_reasoning_mask"].values().sum()),
             "answers_found": int(sum(int(a.any()) for a in output["oar_answer_mask"].unbind())),
             "nonzero_rows": int(sum(int(g.abs().sum() > 0) for g in got)),
-        }), flush=True)
+        }
+        if index in (0, 4):
+            result["zero_noise_max_importance"] = zero_noise_importance(worker, tokenizer, step)
+        if not bf16:  # plain-transformers reference with the engine's current weights
+            ref_dir = os.path.join(out_dir, "current")
+            state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                     for n, p in engine.module.state_dict().items()}
+            from transformers import AutoModelForCausalLM
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            hf.load_state_dict(state)
+            hf.save_pretrained(ref_dir)
+            tokenizer.save_pretrained(ref_dir)
+            want = hf_reference(ref_dir, tokenizer, prompts, responses, oar, step)
+            result["max_abs_err"] = max(float((g - w).abs().max()) for g, w in zip(got, want))
+            result["scale"] = max(float(w.abs().max()) for w in want)
+        print("CASE " + json.dumps(result), flush=True)
         del worker
 
 

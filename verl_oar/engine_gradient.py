@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from verl_oar.config import OARConfig
 from verl_oar.engine_inputs import PREDICT, REASONING, autocast_context, nested
 from verl_oar.importance.gradient import gradient_importance_in_forward
-from verl_oar.importance.hf_prefix import accepts_logits_to_keep
+from verl_oar.importance.hf_prefix import OutcomeHead
 from verl_oar.importance.noise import sequence_noise
 
 
@@ -72,12 +72,15 @@ def gradient_micro_batch(
     """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens.
 
     With ``with_log_probs`` the pass also yields verl's log-prob outputs (``log_probs``, and
-    ``entropy`` if the batch asks for it, nested (bs, seq_len)), computed by the engine's own
-    ``prepare_model_outputs`` from the clean logits: the old-log-prob pass and importance share
-    one clean forward (``noisy_kl``) or the whole pass (``loglik``).
-    """
-    from types import SimpleNamespace
+    ``entropy`` if the batch asks for it, nested (bs, seq_len)), exactly as verl's ``forward_step``
+    computes them: the same model call and the engine's ``prepare_model_outputs``, both inside the
+    engine's autocast context. The old-log-prob pass and importance share one clean forward
+    (``noisy_kl``) or the whole pass (``loglik``).
 
+    Every pass computes the outcome logits the same way (:class:`OutcomeHead` on the final hidden
+    states at the predicting positions), so that with zero noise the clean and the noisy outcome are
+    bit-identical: J = 0 and dJ/de = 0 exactly, in bf16 as in fp32.
+    """
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id
 
@@ -90,57 +93,33 @@ def gradient_micro_batch(
     noise = None
     if cfg.objective == "noisy_kl":
         hidden = engine.model_config.hf_config.hidden_size
-        rows = sequence_noise(micro_batch["input_ids"].unbind(), hidden, cfg.seed, step)
-        noise = to_layout(rows, 0.0).to(reasoning.device)
-
-    temperature = micro_batch["temperature"]
-    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
-        temp = temperature.to(torch.float32)[segment.clamp(min=0)][predict].unsqueeze(-1)  # (N, 1)
-    else:
-        temp = float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)
-
-    module = engine.module
-    embedding = getattr(module, "module", module).get_input_embeddings()
-    autocast = autocast_context(engine)
-
-    # Only the predicting positions' logits are needed: let the model skip its output layer elsewhere
-    # (a (T x V) matmul and buffer, the largest of the pass at a 150k vocabulary). A pass that also
-    # yields log-probs needs every position.
-    keep_cols = predict.any(dim=0).nonzero().squeeze(1)
-    keep_only = accepts_logits_to_keep(module) and not (with_log_probs and cfg.objective == "loglik")
-    keep = {"logits_to_keep": keep_cols} if keep_only else {}
+        rows = sequence_noise(micro_batch["input_ids"].unbind(), hidden, cfg.seed, step,
+                              where=micro_batch[REASONING].unbind(), device=reasoning.device)
+        noise = to_layout(rows, 0.0)
+    temp = _temperatures(micro_batch, segment, predict)
+    head = OutcomeHead(engine.module, predict, temp, autocast_context(engine))
     outputs: dict = {}
 
-    def run(transform, extra):
-        handle = embedding.register_forward_hook(lambda _m, _i, out: transform(out))
-        try:
-            with autocast:
-                return module(**model_inputs, use_cache=False, **extra)
-        finally:
-            handle.remove()
-
     def log_prob_outputs(raw) -> dict:
-        with torch.no_grad():
-            detached = SimpleNamespace(logits=raw.logits.detach())
-            return engine.prepare_model_outputs(detached, output_args, micro_batch, logits_processor_func=None)
+        """verl's forward_step post-processing of the model output (inside the engine's autocast)."""
+        with torch.no_grad(), autocast_context(engine):
+            return engine.prepare_model_outputs(raw, output_args, micro_batch, logits_processor_func=None)
 
     def forward(transform):
         """The model with input embeddings replaced by ``transform(clean)``: (N, V) float32
-        logits at the predicting positions, divided by the temperature."""
-        raw = run(transform, keep)
-        if with_log_probs and not outputs:  # loglik: this pass is the old-log-prob pass
+        outcome logits at the predicting positions, divided by the temperature."""
+        fused_here = with_log_probs and cfg.objective == "loglik" and not outputs
+        raw, logits = head.run(model_inputs, transform, full_logits=fused_here)
+        if fused_here:  # loglik: this pass is the old-log-prob pass
             outputs.update(log_prob_outputs(raw))
-        logits = raw.logits
-        picked = logits[predict[:, keep_cols]] if keep else logits[predict]
-        return picked.float() / temp
+        return logits
 
     clean_logits = None
     if with_log_probs and cfg.objective == "noisy_kl":  # the clean pass is the old-log-prob pass
         with torch.no_grad():
-            raw = run(lambda e: e, {})
-        outputs.update(log_prob_outputs(raw))
-        clean_logits = raw.logits[predict].float() / temp
-        del raw
+            raw, clean_logits = head.run(model_inputs, None, full_logits=True)
+            outputs.update(log_prob_outputs(raw))
+            del raw
 
     importance = gradient_importance_in_forward(
         forward,
@@ -155,8 +134,15 @@ def gradient_micro_batch(
     )
     if with_log_probs and not outputs:  # nothing to differentiate: no forward ran yet
         with torch.no_grad():
-            outputs.update(log_prob_outputs(run(lambda e: e, {})))
+            raw, _ = head.run(model_inputs, None, full_logits=True)
+            outputs.update(log_prob_outputs(raw))
     log_probs = {k: v.detach().cpu() for k, v in outputs.items()} if with_log_probs else None
     return unlayout(importance.detach().float().cpu()), log_probs
 
 
+def _temperatures(micro_batch: TensorDict, segment: torch.Tensor, predict: torch.Tensor) -> torch.Tensor | float:
+    """The rollout temperature of each predicting position, (N, 1) float32, or one float."""
+    temperature = micro_batch["temperature"]
+    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
+        return temperature.to(torch.float32)[segment.clamp(min=0)][predict].unsqueeze(-1)
+    return float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)

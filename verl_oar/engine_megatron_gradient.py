@@ -6,7 +6,8 @@ or J = phi (``loglik``), one backward to the embeddings, I_t = |<dJ/de_t, e_t>| 
 What differs on Megatron, in the order it runs:
 
 1. layout: the micro-batch's rows go into verl's packed grid (``verl_oar.megatron_layout``); masks,
-   targets and the per-sequence noise (``sequence_noise``: the same draws as on FSDP) are built in it;
+   targets and the per-sequence noise (``sequence_noise``, drawn on the device for the reasoning
+   tokens: the same draws as on FSDP) are built in it;
 2. the embedding output is [S, B, H], sequence-first; under sequence parallelism a TP rank holds
    only its S/tp rows, so the noise and the reasoning mask are sliced to that shard;
 3. the outcome comes from the logits at the predicting positions only, gathered over the TP group
@@ -31,9 +32,16 @@ from tensordict import TensorDict
 from verl_oar.config import OARConfig
 from verl_oar.engine_inputs import PREDICT, REASONING, nested
 from verl_oar.engine_megatron_forward import MegatronLogits
+from verl_oar.importance.gradient import embedding_noise
 from verl_oar.importance.noise import sequence_noise
 from verl_oar.megatron_layout import token_scores
-from verl_oar.outcome import answer_log_likelihood, outcome_divergence, outcome_statistic
+from verl_oar.outcome import (
+    answer_log_likelihood,
+    kl_to_logits,
+    outcome_divergence,
+    outcome_statistic,
+    pooled_outcome_logits,
+)
 
 
 @contextmanager
@@ -123,8 +131,9 @@ def gradient_in_megatron_forward(
     reasoning_local = forward.local_rows(reasoning.transpose(0, 1))   # [S_local, B]
     noise_local = None
     if gcfg.objective == "noisy_kl":
-        draws = sequence_noise([r.cpu() for r in ids_rows], forward.hidden_size, cfg.seed, step)
-        noise_local = forward.local_rows(layout.to_layout(draws, 0.0).transpose(0, 1)).to(device)  # [S_local, B, H]
+        draws = sequence_noise(ids_rows, forward.hidden_size, cfg.seed, step,
+                               where=list(micro_batch[REASONING].unbind()), device=device)
+        noise_local = forward.local_rows(layout.to_layout(draws, 0.0).transpose(0, 1))  # [S_local, B, H]
 
     clean = None
     if gcfg.objective == "noisy_kl":   # the clean outcome (and, fused, verl's log-probs)
@@ -142,8 +151,7 @@ def gradient_in_megatron_forward(
         seen["base"], seen["leaf"] = base, leaf
         if noise_local is None:
             return leaf
-        scaled = (gcfg.noise_std * noise_local).to(dtype=base.dtype)
-        return leaf + scaled * reasoning_local.unsqueeze(-1).to(base.dtype)
+        return leaf + embedding_noise(base, noise_local, reasoning_local, gcfg)
 
     with frozen_parameters(modules), kept_router_counters(modules), torch.enable_grad():
         fused_here = with_log_probs and gcfg.objective == "loglik"
@@ -155,8 +163,10 @@ def gradient_in_megatron_forward(
         del logits
         if gcfg.objective == "loglik":
             objective = answer_log_likelihood(z, tgt, seg, num).sum()
-        else:
+        elif gcfg.outcome == "joint":
             objective = outcome_divergence(clean, outcome_statistic(z, tgt, seg, num, gcfg.outcome), gcfg.outcome).sum()
+        else:  # exact gradient softmax(z) - P, as on FSDP
+            objective = kl_to_logits(clean, pooled_outcome_logits(z, seg, num, gcfg.outcome)).sum()
         del z
         if "leaf" not in seen:
             raise RuntimeError("the embedding hook did not run: GPTModel.embedding was not called")

@@ -29,10 +29,12 @@ from torch import Tensor
 __all__ = [
     "OUTCOMES",
     "answer_log_likelihood",
+    "kl_to_logits",
     "outcome_divergence",
     "outcome_log_probs",
     "outcome_statistic",
     "padded_predicting_positions",
+    "pooled_outcome_logits",
 ]
 
 OUTCOMES = ("single", "mean", "joint")
@@ -52,19 +54,19 @@ def _segment_counts(segment: Tensor, num_segments: int) -> Tensor:
     return torch.bincount(segment, minlength=num_segments)[:num_segments]
 
 
-def outcome_log_probs(logits: Tensor, segment: Tensor, num_segments: int, outcome: str) -> Tensor:
-    """log P_final of each segment, for AS-SINGLE and AS-MEAN.
+def pooled_outcome_logits(logits: Tensor, segment: Tensor, num_segments: int, outcome: str) -> Tensor:
+    """The logits whose softmax is P_final, per segment, for AS-SINGLE and AS-MEAN.
 
     Args:
         logits: (N, V) any float dtype, logits at the predicting positions.
         segment: (N,) long in [0, S): the sequence of each position.
         num_segments: S.
         outcome: "single" (the first position of each segment in the given order, i.e. its lowest
-            index in ``logits``) or "mean" (log_softmax of the mean logits of the segment).
+            index in ``logits``) or "mean" (the mean logits of the segment).
 
     Returns:
-        (S, V) float32 (float64 for float64 logits) log-probabilities; -log V everywhere for a
-        segment with no position.
+        (S, V) float32 (float64 for float64 logits); 0 for a segment with no position. The sums are
+        taken in a fixed order (no atomics), so equal inputs give bit-equal outputs on any device.
     """
     _check_outcome(outcome)
     if outcome == "joint":
@@ -73,14 +75,60 @@ def outcome_log_probs(logits: Tensor, segment: Tensor, num_segments: int, outcom
     z = logits.to(_compute_dtype(logits))
     counts = _segment_counts(segment, num_segments)
     if outcome == "mean":
-        summed = torch.zeros(num_segments, vocab, dtype=z.dtype, device=z.device).index_add(0, segment, z)
+        if n and bool((segment[1:] >= segment[:-1]).all()):   # sorted (every caller here): contiguous sums
+            summed = torch.stack([part.sum(dim=0) for part in z.split(counts.tolist())])
+        else:
+            summed = torch.zeros(num_segments, vocab, dtype=z.dtype, device=z.device).index_add(0, segment, z)
         pooled = summed / counts.clamp(min=1).unsqueeze(1).to(z.dtype)
     else:
         first = torch.full((num_segments,), n, dtype=torch.long, device=z.device)
         first = first.scatter_reduce(0, segment, torch.arange(n, device=z.device), reduce="amin")
         pooled = z[first.clamp(max=n - 1)] if n else z.new_zeros(num_segments, vocab)
-    pooled = torch.where((counts > 0).unsqueeze(1), pooled, 0.0)
-    return torch.log_softmax(pooled, dim=-1)
+    return torch.where((counts > 0).unsqueeze(1), pooled, 0.0)
+
+
+def outcome_log_probs(logits: Tensor, segment: Tensor, num_segments: int, outcome: str) -> Tensor:
+    """log P_final of each segment, for AS-SINGLE and AS-MEAN: log_softmax of
+    :func:`pooled_outcome_logits` (same arguments).
+
+    Returns:
+        (S, V) float32 (float64 for float64 logits) log-probabilities; -log V everywhere for a
+        segment with no position.
+    """
+    return torch.log_softmax(pooled_outcome_logits(logits, segment, num_segments, outcome), dim=-1)
+
+
+class _KLToLogits(torch.autograd.Function):
+    """KL(P || softmax(z)) per row, with the gradient w.r.t. z written as softmax(z) - P.
+
+    Autograd's own backward of log_softmax gives softmax(z) * sum(P) - P, which is not exactly 0
+    when z reproduces P because sum(P) is 1 only up to rounding; this one is exactly 0 then."""
+
+    @staticmethod
+    def forward(ctx, clean: Tensor, z: Tensor) -> Tensor:
+        lq = torch.log_softmax(z, dim=-1)
+        ctx.save_for_backward(clean, lq)
+        p = clean.exp()
+        return torch.where(p > 0, p * (clean - lq), 0.0).sum(dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        clean, lq = ctx.saved_tensors
+        return None, (lq.exp() - clean.exp()) * grad.unsqueeze(-1)
+
+
+def kl_to_logits(clean: Tensor, z: Tensor) -> Tensor:
+    """KL(P_clean || softmax(z)) per segment, differentiable in ``z``.
+
+    Args:
+        clean: (S, V) float log P_clean (:func:`outcome_log_probs` of the clean pass), no gradient.
+        z: (S, V) float pooled logits of the perturbed pass (:func:`pooled_outcome_logits`).
+
+    Returns:
+        (S,) float: the value of ``outcome_divergence(clean, log_softmax(z))``; its gradient w.r.t.
+        ``z`` is softmax(z) - P_clean, exactly 0 when ``z`` equals the clean pass's pooled logits.
+    """
+    return _KLToLogits.apply(clean.detach(), z)
 
 
 def answer_log_likelihood(logits: Tensor, targets: Tensor, segment: Tensor, num_segments: int) -> Tensor:

@@ -3,7 +3,9 @@
 With e_t the input embedding of token t and an outcome objective J (``verl_oar.outcome``):
 
 1. objective, either
-   * ``noisy_kl`` (reference semantics): e~_t = e_t + eps_t on reasoning tokens, eps_t ~ N(0, sigma^2 I);
+   * ``noisy_kl`` (reference semantics): e~_t = e_t + eps_t on reasoning tokens, eps_t ~ N(0, sigma_t^2 I)
+     with sigma_t = sigma (``noise_relative=False``, the reference's 1e-3) or sigma * rms(e_t)
+     (``noise_relative=True``: sigma is a noise-to-signal ratio per token, the same for every model);
      J = sum_i D_i(clean || noisy), with D = KL(P_final || P~_final) (AS-SINGLE / AS-MEAN) or
      D = phi - phi~ (AS-JOINT). The noise is what makes the gradient non-zero: at e~ = e the KL is
      at its minimum and its gradient vanishes.
@@ -31,13 +33,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from verl_oar.outcome import OUTCOMES, answer_log_likelihood, outcome_divergence, outcome_statistic
+from verl_oar.outcome import (
+    OUTCOMES,
+    answer_log_likelihood,
+    kl_to_logits,
+    outcome_divergence,
+    outcome_statistic,
+    pooled_outcome_logits,
+)
 
 __all__ = [
     "OBJECTIVES",
     "SALIENCIES",
     "GradientConfig",
     "gradient_importance",
+    "embedding_noise",
     "gradient_importance_in_forward",
     "make_hf_logits_fn",
 ]
@@ -65,13 +75,21 @@ class GradientConfig:
     removing the token, as OAR-P measures). "grad_norm": ||dJ/de_t||_2 (paper's summary)."""
 
     noise_std: float = 1e-3
-    """sigma, standard deviation of the embedding noise of ``noisy_kl`` (> 0; reference 1e-3). With a
-    bf16 model the noise is added in bf16 and may partly round away on large embeddings."""
+    """sigma, the scale of the embedding noise of ``noisy_kl`` (> 0): its standard deviation
+    (``noise_relative=False``; reference 1e-3) or its ratio to each token's embedding RMS
+    (``noise_relative=True``). The noise is added in the embeddings' dtype (bf16 in real runs)."""
+
+    noise_relative: bool = False
+    """Scale each token's noise by the RMS of its own embedding, sqrt(mean_h e_{t,h}^2), so that
+    sigma is a noise-to-signal ratio: the same value means the same perturbation on any model and
+    dtype (an absolute 1e-3 is 5% of a 0.02-RMS embedding but 0.1% of a 1.0-RMS one)."""
 
     def __post_init__(self) -> None:
         for name, valid in (("outcome", OUTCOMES), ("objective", OBJECTIVES), ("saliency", SALIENCIES)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"GradientConfig.{name}={getattr(self, name)!r} is invalid: must be one of {valid}")
+        if not isinstance(self.noise_relative, bool):
+            raise ValueError(f"GradientConfig.noise_relative={self.noise_relative!r} is invalid: must be true or false")
         std = self.noise_std
         if isinstance(std, bool) or not isinstance(std, (int, float)) or not 0.0 <= std < math.inf:
             raise ValueError(f"GradientConfig.noise_std={std!r} is invalid: must be a finite number >= 0")
@@ -203,8 +221,7 @@ def gradient_importance_in_forward(
             draw_dtype = torch.float64 if base.dtype == torch.float64 else torch.float32
             draw_device = generator.device if generator is not None else base.device
             draws = torch.randn(base.shape, generator=generator, device=draw_device, dtype=draw_dtype)
-        scaled = (cfg.noise_std * draws).to(device=base.device, dtype=base.dtype)
-        return leaf + scaled * reasoning.to(base.device).unsqueeze(-1).to(base.dtype)
+        return leaf + embedding_noise(base, draws.to(base.device), reasoning.to(base.device), cfg)
 
     with torch.enable_grad():
         picked = _at_predicting_positions(forward(perturb), predict)  # (N, V): only these are kept
@@ -212,9 +229,11 @@ def gradient_importance_in_forward(
             raise RuntimeError("forward(transform) returned without applying transform to the embeddings")
         if cfg.objective == "loglik":
             objective = answer_log_likelihood(picked, tgt, seg, num_segments).sum()
-        else:
+        elif cfg.outcome == "joint":
             noisy = outcome_statistic(picked, tgt, seg, num_segments, cfg.outcome)
             objective = outcome_divergence(clean, noisy, cfg.outcome).sum()
+        else:  # KL with the exact gradient softmax(z) - P: exactly 0 when the noise is 0
+            objective = kl_to_logits(clean, pooled_outcome_logits(picked, seg, num_segments, cfg.outcome)).sum()
         del picked
         grad = None
         if objective.requires_grad:
@@ -231,6 +250,28 @@ def gradient_importance_in_forward(
         score = torch.linalg.vector_norm(g, dim=-1)
     score = score.to(reasoning.device)
     return torch.where(reasoning, score, 0.0).to(torch.float32)
+
+
+def embedding_noise(base: Tensor, draws: Tensor, mask: Tensor, cfg: GradientConfig) -> Tensor:
+    """The noise eps added to the input embeddings, in ``base``'s dtype: 0 off ``mask``.
+
+    Args:
+        base: (..., H) the clean embeddings e (any float dtype).
+        draws: (..., H) standard-normal draws z (float32 or float64), same shape and device.
+        mask: (...) bool, the positions that get noise.
+        cfg: ``noise_std`` sigma and ``noise_relative``.
+
+    Returns:
+        sigma * z (absolute) or sigma * rms(e_t) * z (relative), computed in float32 (float64 for
+        float64 draws) and cast once to ``base.dtype``; exactly 0 where ``mask`` is False.
+    """
+    if tuple(draws.shape) != tuple(base.shape):
+        raise ValueError(f"noise has shape {tuple(draws.shape)}, expected {tuple(base.shape)}")
+    scale = draws * cfg.noise_std
+    if cfg.noise_relative:
+        rms = base.detach().to(draws.dtype).pow(2).mean(dim=-1, keepdim=True).sqrt()
+        scale = scale * rms
+    return torch.where(mask.unsqueeze(-1), scale, 0.0).to(base.dtype)
 
 
 def make_hf_logits_fn(
