@@ -356,3 +356,113 @@ def test_forward_may_return_only_the_predicting_positions_logits():
                                               generator=torch.Generator().manual_seed(0))
 
     torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-12)
+
+
+# --- exactness at zero noise, relative noise, the outcome head --------------------------------------
+
+
+def test_kl_to_logits_has_the_value_of_the_kl_and_the_gradient_softmax_minus_p():
+    from verl_oar.outcome import kl_to_logits, outcome_divergence
+
+    g = torch.Generator().manual_seed(3)
+    clean = torch.log_softmax(torch.randn(4, 50, generator=g, dtype=torch.float64), -1)
+    z = torch.randn(4, 50, generator=g, dtype=torch.float64, requires_grad=True)
+    value = kl_to_logits(clean, z)
+    want = outcome_divergence(clean, torch.log_softmax(z, -1), "mean")
+    assert torch.equal(value, want)
+    (grad,) = torch.autograd.grad(value.sum(), z)
+    (autograd_grad,) = torch.autograd.grad(want.sum(), z)
+    torch.testing.assert_close(grad, autograd_grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, torch.softmax(z, -1) - clean.exp(), rtol=0, atol=1e-15)
+    # at z = the clean logits the gradient is exactly 0 (autograd's is sum(p) - 1 rounding off it)
+    z0 = torch.randn(4, 50, generator=g).requires_grad_(True)
+    (grad0,) = torch.autograd.grad(kl_to_logits(torch.log_softmax(z0.detach(), -1), z0).sum(), z0)
+    assert (grad0 == 0).all()
+
+
+def _tiny_qwen(layers=4, dtype=torch.float32):
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp32+bf16-autocast", "bf16"])
+@pytest.mark.parametrize("outcome", ["single", "mean"])
+def test_zero_noise_gives_exactly_zero_objective_and_gradient(precision, outcome):
+    """With the noise set to zero the clean and the noisy pass compute the outcome logits the same way
+    (:class:`OutcomeHead`: full logits for verl's log-probs in the clean pass, ``logits_to_keep=1``
+    in the noisy one), so J = 0 and dJ/de = 0 exactly, in bf16 as in fp32. (AS-JOINT's J = phi - phi~
+    is linear in phi~: its gradient at zero noise is -dphi/de by design.)"""
+    from contextlib import nullcontext
+
+    from verl_oar.importance.hf_prefix import OutcomeHead
+
+    model = _tiny_qwen(dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if "bf16" in precision else nullcontext
+    b = make_batch(model, seed=5, lengths=[30, 24, 30])
+    inputs = {"input_ids": b["ids"], "attention_mask": b["attention"]}
+
+    class Context:  # a fresh autocast context on every entry, as the engine's
+        def __enter__(self):
+            self.inner = autocast()
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    head = OutcomeHead(model, b["predict"], 1.0, Context())
+    with torch.no_grad():
+        raw, clean = head.run(inputs, None, full_logits=True)
+    assert raw.logits.shape[1] == b["ids"].shape[1]        # the clean pass computed every position
+
+    def forward(transform):
+        return head.run(inputs, transform, full_logits=False)[1]
+
+    cfg = GradientConfig(objective="noisy_kl", outcome=outcome, saliency="grad_norm")
+    zeros = torch.zeros(*b["ids"].shape, HIDDEN)
+    importance = gradient_importance_in_forward(forward, b["reasoning"], b["predict"], b["targets"], b["segment"],
+                                                3, cfg, noise=zeros, clean_logits=clean)
+    assert (importance == 0).all()
+    noisy = gradient_importance_in_forward(forward, b["reasoning"], b["predict"], b["targets"], b["segment"], 3,
+                                           cfg, noise=torch.randn(zeros.shape), clean_logits=clean)
+    assert (noisy[b["reasoning"]] > 0).all()                 # and real noise does give a signal
+
+
+def test_outcome_head_logits_equal_the_models_own():
+    from contextlib import nullcontext
+
+    from verl_oar.importance.hf_prefix import OutcomeHead
+
+    model = _tiny_qwen(layers=2)
+    b = make_batch(model, seed=6, lengths=[20, 16])
+    head = OutcomeHead(model, b["predict"], 2.0, nullcontext())
+    with torch.no_grad():
+        raw, logits = head.run({"input_ids": b["ids"], "attention_mask": b["attention"]}, None, full_logits=True)
+    torch.testing.assert_close(logits, raw.logits[b["predict"]] / 2.0, rtol=1e-5, atol=1e-6)
+    # a model whose logits are post-processed in a way the head does not know is caught
+    head.scale = 3.0
+    with pytest.raises(RuntimeError, match="post-processes its logits"), torch.no_grad():
+        head.run({"input_ids": b["ids"], "attention_mask": b["attention"]}, None, full_logits=True)
+
+
+def test_relative_noise_is_scaled_by_each_tokens_embedding_rms():
+    from verl_oar.importance.gradient import embedding_noise
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 5, 8, generator=g) * torch.tensor([0.01, 0.1, 1.0, 10.0, 0.5])[None, :, None]
+    draws = torch.randn(2, 5, 8, generator=g)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 2] = False
+    absolute = embedding_noise(base, draws, mask, GradientConfig(noise_std=0.05))
+    relative = embedding_noise(base, draws, mask, GradientConfig(noise_std=0.05, noise_relative=True))
+    rms = base.pow(2).mean(-1, keepdim=True).sqrt()
+    torch.testing.assert_close(absolute, torch.where(mask[..., None], 0.05 * draws, 0.0))
+    torch.testing.assert_close(relative, torch.where(mask[..., None], 0.05 * rms * draws, 0.0))
+    assert (relative[1, 2] == 0).all() and (absolute[1, 2] == 0).all()
+    # in bf16 the noise is computed in float32 and rounded once
+    bf = embedding_noise(base.bfloat16(), draws, mask, GradientConfig(noise_std=0.05, noise_relative=True))
+    assert bf.dtype == torch.bfloat16
+    torch.testing.assert_close(bf.float(), relative, rtol=1e-2, atol=1e-6)
+    with pytest.raises(ValueError, match="noise_relative"):
+        GradientConfig(noise_relative="yes")

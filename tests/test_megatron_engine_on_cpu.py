@@ -138,7 +138,7 @@ def reference_rows(toy, ids, reasoning, predict, oar: dict, step: int, temperatu
     cfg = OARConfig(**oar)
     out = []
     for x, r, d in zip(ids, reasoning, predict):
-        noise = sequence_noise([x], HIDDEN, cfg.seed, step)[0]
+        noise = sequence_noise([x], HIDDEN, cfg.seed, step, where=[r.bool()])[0]
         out.append(gradient_importance(
             lambda e: toy.sequence_logits(e) / temperature, toy.embed[x][None].detach(), r.bool()[None], d.bool()[None],
             torch.cat([x[1:], x[:1]])[None], torch.zeros(1, len(x), dtype=torch.long), 1, cfg.gradient_config(),

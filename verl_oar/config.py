@@ -43,7 +43,11 @@ class OARConfig:
     saliency: str = "grad_x_input"
     """OAR-G saliency: grad_x_input |<dJ/de_t, e_t>| (reference code) or grad_norm ||dJ/de_t||_2"""
     noise_std: float = 1e-3
-    """std of the Gaussian noise added to reasoning-token embeddings (objective=noisy_kl)"""
+    """scale of the Gaussian noise added to reasoning-token embeddings (objective=noisy_kl): its std,
+    or with ``noise_relative`` its ratio to each token's embedding RMS"""
+    noise_relative: bool = False
+    """scale each token's noise by its own embedding's RMS (``noise_std`` becomes a noise-to-signal
+    ratio, the same perturbation on any model and in bf16); see docs/configuration.md"""
     perturb_mode: str = "exact"
     """OAR-P occlusion unit: exact (each reasoning token: the paper's OAR-P), chunk (at most
     ``perturb_budget`` contiguous chunks per response) or line (reasoning steps split at line breaks,
@@ -116,7 +120,8 @@ class OARConfig:
 
     def gradient_config(self) -> GradientConfig:
         return GradientConfig(
-            outcome=self.outcome, objective=self.objective, saliency=self.saliency, noise_std=self.noise_std
+            outcome=self.outcome, objective=self.objective, saliency=self.saliency, noise_std=self.noise_std,
+            noise_relative=self.noise_relative,
         )
 
     def perturbation_config(self, share_prefix: bool = True) -> PerturbationConfig:
