@@ -5,6 +5,8 @@ BPE that is not byte-level and exercises the incremental decoder."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +20,9 @@ from verl_oar.answer_span import (
     answer_token_masks,
     decode_with_offsets,
     find_answer_span,
+    format_answer_span,
     locate_answer_tokens,
+    parse_answer_span,
     token_char_offsets,
 )
 
@@ -30,6 +34,28 @@ CORPUS = [
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72",
     "所以答案是 5。The answer is 5. 面积是 3×π 平方米",
     "The final answer is $7$. I hope it is correct.",
+    "We need 6 × 7 first.\nAnswer: 42\n**Answer:** $x$; **Final Answer**: 12, since 12 is even.",
+    "## Final Answer\n\n$$3\\pi$$ so Final Answer: The answer is (1, 2), y = 4 because 1,000.",
+]
+
+
+# Responses in the answer formats of real math RL data: (response, answer content, marker at marker_start),
+# checked by hand; located through every tokenizer below.
+FORMATS = [
+    ("Compute 6 × 7 first.\nAnswer: 42", "42", "Answer:"),                              # DAPO-Math
+    ("We need π/2.\n**Answer:** $\\frac{\\pi}{2}$", "\\frac{\\pi}{2}", "**Answer:**"),
+    ("So x = 12.\n\n**Final Answer**: 12.", "12", "**Final Answer**"),
+    ("面积是 3×π.\n## Final Answer\n\n$$3\\pi$$", "3\\pi", "## Final Answer"),
+    ("Final Answer: The final answer is $7$. I hope it is correct.", "7", "Final Answer:"),  # Minerva
+    ("The final answer is $\\frac{1}{2}$.", "\\frac{1}{2}", "The final answer is"),
+    ("Thus \\[ \\boxed{42} \\]", "42", "\\boxed"),
+    ("所以 $\\boxed 5$。", "5", "\\boxed"),
+    ("The answer is 3, since 3 is odd.", "3", "The answer is"),
+    ("Total: 1,000 coins. The answer is 1,000, so we stop.", "1,000", "The answer is"),
+    ("The answer is (1, 2); because both work.", "(1, 2)", "The answer is"),
+    ("The answer is x = 3, y = 4.", "x = 3, y = 4", "The answer is"),
+    ("推理。\nAnswer: 面积 3π", "面积 3π", "Answer:"),
+    ("#### 8\nAnswer: 9", "9", "Answer:"),
 ]
 
 
@@ -67,7 +93,8 @@ def metaspace():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    alphabet = sorted(set("".join(CORPUS)) | set("abcdefghijklmnopqrstuvwxyz0123456789"))
+    characters = "".join(CORPUS) + "".join(response for response, _, _ in FORMATS)
+    alphabet = sorted(set(characters) | set("abcdefghijklmnopqrstuvwxyz0123456789"))
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[*SPECIALS, "<unk>"], initial_alphabet=alphabet)
     tok.train_from_iterator(CORPUS * 20, trainer)
     return _wrap(tok)
@@ -207,7 +234,7 @@ def check_mapping(tokenizer, ids, text, offsets):
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
-@pytest.mark.parametrize("response", RESPONSES)
+@pytest.mark.parametrize("response", RESPONSES + [response for response, _, _ in FORMATS])
 def test_locate_answer_tokens(request, name, response):
     tokenizer = request.getfixturevalue(name)
     ids = [*tokenizer.encode(response, add_special_tokens=False), tokenizer.eos_token_id]
@@ -359,3 +386,218 @@ def test_random_responses_byte_level(bpe, prose, answer, layout, tail):
     picked = [i for i, a in enumerate(is_answer) if a]
     assert expected.strip() in bpe.decode(ids[picked[0]:picked[-1] + 1])
     assert all(offsets[i][1] <= span.marker_start for i, r in enumerate(reasoning) if r)
+
+
+# --- the answer formats of real data, token by token ----------------------------------------------
+
+
+def _encode(tokenizer, response):
+    return [*tokenizer.encode(response, add_special_tokens=False), tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize(("response", "content", "marker"), FORMATS)
+def test_format_answer_tokens_exactly(request, name, response, content, marker):
+    """The answer tokens are exactly the minimal run that decodes to the content; the reasoning tokens are
+    exactly the longest prefix whose decoding stops at or before the marker (checked by decoding,
+    independently of the offsets the implementation uses)."""
+    tokenizer = request.getfixturevalue(name)
+    ids = _encode(tokenizer, response)
+    text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert text == response
+    span = find_answer_span(text)
+    assert text[span.start:span.end] == content and text.startswith(marker, span.marker_start)
+    reasoning, answer = locate_answer_tokens(ids, tokenizer)
+
+    def decoded(a, b):
+        return tokenizer.decode(ids[a:b], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    k = sum(reasoning)
+    assert reasoning == [True] * k + [False] * (len(ids) - k)
+    assert text[:span.marker_start].startswith(decoded(0, k))
+    assert not text[:span.marker_start].startswith(decoded(0, k + 1))     # one more token crosses the marker
+    picked = [i for i, a in enumerate(answer) if a]
+    first, last = picked[0], picked[-1]
+    assert picked == list(range(first, last + 1)) and first >= k
+    assert content in decoded(first, last + 1)
+    assert content not in decoded(first + 1, last + 1) and content not in decoded(first, last)   # minimal
+    assert not answer[-1] and not reasoning[-1]                             # end of sequence
+
+
+JUSTIFICATIONS = ["since", "because", "as", "so", "which", "where", "and", "therefore", "given", "Since",
+                  "BECAUSE", "hence", "thus", "but"]
+VALUES = st.one_of(
+    st.integers(-10**6, 10**6).map(str),
+    st.integers(1, 999).map(lambda n: f"{n},{n % 1000:03d}"),                  # thousands separators
+    st.sampled_from(["(1, 2)", "x = 3, y = 4", "\\frac{1}{2}", "[0, 1)", "\\{1, 2\\}", "3.5", "2\\sqrt{3}"]),
+)
+DELIMITERS = st.sampled_from([("", ""), ("$", "$"), ("\\(", "\\)"), ("$$", "$$")])
+TAIL = st.text(alphabet=st.sampled_from(list("abcdxyz 0123456789+=(),;.$")), max_size=30)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prose=PROSE, value=VALUES, delimiters=DELIMITERS, sep=st.sampled_from([",", ";"]),
+       word=st.sampled_from(JUSTIFICATIONS), tail=TAIL)
+def test_a_justification_never_enters_the_answer(bpe, prose, value, delimiters, sep, word, tail):
+    """"The answer is V, <justification ...>": the answer is V (without its math delimiters), and its
+    tokens end before the justification word."""
+    response = f"{prose} The answer is {delimiters[0]}{value}{delimiters[1]}{sep} {word} {tail}"
+    span = find_answer_span(response)
+    assert response[span.start:span.end] == value
+    ids = _encode(bpe, response)
+    text, offsets = decode_with_offsets(ids, bpe, skip_special_tokens=True)
+    reasoning, answer = locate_answer_tokens(ids, bpe)
+    word_start = response.rindex(f"{sep} {word} ") + len(sep) + 1
+    assert max(end for (_, end), a in zip(offsets, answer) if a) <= word_start
+    assert word.lower() not in bpe.decode([i for i, a in zip(ids, answer) if a]).lower()
+
+
+# --- pluggable locators and given spans -------------------------------------------------------------
+
+
+def _batch(tokenizer, texts):
+    rows = [_encode(tokenizer, t) for t in texts]
+    width = max(map(len, rows)) + 1
+    responses = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        responses[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+    return rows, responses, mask
+
+
+def first_box(text):
+    """A custom locator: the *first* box, marker included."""
+    start = text.find("\\boxed{")
+    if start < 0:
+        return None
+    return AnswerSpan(start, start + 7, text.index("}", start))
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_custom_locator(request, name):
+    tokenizer = request.getfixturevalue(name)
+    text = "First \\boxed{10}, then \\boxed{12}."
+    ids = _encode(tokenizer, text)
+    reasoning, answer = locate_answer_tokens(ids, tokenizer, locator=first_box)
+    assert "10" in tokenizer.decode([i for i, a in zip(ids, answer) if a])
+    assert "First" in tokenizer.decode([i for i, r in zip(ids, reasoning) if r]) and "\\" not in \
+        tokenizer.decode([i for i, r in zip(ids, reasoning) if r])
+    assert locate_answer_tokens(ids, tokenizer, locator=lambda _: None) is None
+    assert locate_answer_tokens(ids, tokenizer, locator=None) == locate_answer_tokens(ids, tokenizer)
+    rows, responses, mask = _batch(tokenizer, [text, "no box here", "#### 3"])
+    reasoning_b, answer_b, found = answer_token_masks(responses, mask, tokenizer, locator=first_box)
+    assert found.tolist() == [True, False, False]
+    assert answer_b[0, :len(ids)].tolist() == answer and reasoning_b[0, :len(ids)].tolist() == reasoning
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_given_spans_override_the_locator(request, name):
+    tokenizer = request.getfixturevalue(name)
+    texts = ["First \\boxed{10}, then \\boxed{12}.", "Answer: 7", "no answer in sight", "#### 5"]
+    rows, responses, mask = _batch(tokenizer, texts)
+    spans = [first_box(texts[0]), None, AnswerSpan(0, 3, 9), None]         # row 2: "answer", found nowhere else
+    reasoning, answer, found = answer_token_masks(responses, mask, tokenizer, spans=spans)
+    assert found.tolist() == [True, True, True, True]
+    expected = [
+        locate_answer_tokens(rows[0], tokenizer, locator=first_box),
+        locate_answer_tokens(rows[1], tokenizer),                          # None: the locator decides
+        locate_answer_tokens(rows[2], tokenizer, locator=lambda _: AnswerSpan(0, 3, 9)),
+        locate_answer_tokens(rows[3], tokenizer),
+    ]
+    for i, row in enumerate(rows):
+        assert (reasoning[i, :len(row)].tolist(), answer[i, :len(row)].tolist()) == expected[i]
+        assert not reasoning[i, len(row):].any() and not answer[i, len(row):].any()
+    assert "answer" in tokenizer.decode([t for t, a in zip(rows[2], answer[2].tolist()) if a])
+    # given spans and a locator that finds nothing
+    _, answer_none, found_none = answer_token_masks(responses, mask, tokenizer, locator=lambda _: None, spans=spans)
+    assert found_none.tolist() == [True, False, True, False]
+    assert torch.equal(answer_none[0], answer[0]) and not answer_none[1].any()
+
+
+def test_reward_span_grounds_the_same_tokens(bpe):
+    """math_reward's ``answer_span`` string, parsed and given as a span, marks the tokens the built-in
+    locator marks: OAR grounds on exactly what the verifier graded."""
+    from verl_oar.math_reward import compute_score
+
+    texts = [response for response, _, _ in FORMATS] + ["nothing to grade"]
+    rows, responses, mask = _batch(bpe, texts)
+    spans = [parse_answer_span(compute_score("math500", t, "")["answer_span"]) for t in texts]
+    assert spans[-1] is None and all(s is not None for s in spans[:-1])
+    given = answer_token_masks(responses, mask, bpe, locator=lambda _: None, spans=spans)
+    built_in = answer_token_masks(responses, mask, bpe)
+    assert all(torch.equal(a, b) for a, b in zip(given, built_in))
+
+
+def bad_locator_returning(value):
+    def bad_locator(text):
+        return value
+    return bad_locator
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ((0, 1, 2), "must return"),
+    ("0:1:2", "must return"),
+    (AnswerSpan(0, 1, 99), "0 <= marker_start <= start < end <= 9"),
+    (AnswerSpan(3, 2, 4), "0 <= marker_start"),
+    (AnswerSpan(0, 4, 4), "non-empty"),
+    (AnswerSpan(-1, 0, 2), "0 <= marker_start"),
+    (AnswerSpan(0, 1.0, 2), "must be integers"),
+    (AnswerSpan(False, True, 2), "must be integers"),
+])
+def test_bad_locator_results_are_named(bytes_only, value, problem):
+    ids = _encode(bytes_only, "#### 1234")
+    with pytest.raises(ValueError, match=re.escape(problem)) as error:
+        locate_answer_tokens(ids, bytes_only, locator=bad_locator_returning(value))
+    assert "bad_locator_returning.<locals>.bad_locator" in str(error.value) and repr(value) in str(error.value)
+    _, responses, mask = _batch(bytes_only, ["#### 1234"])
+    with pytest.raises(ValueError, match="bad_locator"):
+        answer_token_masks(responses, mask, bytes_only, locator=bad_locator_returning(value))
+    if isinstance(value, AnswerSpan):
+        with pytest.raises(ValueError, match=re.escape("spans[0] (given to answer_token_masks)")):
+            answer_token_masks(responses, mask, bytes_only, spans=[value])
+
+
+def test_numpy_offsets_are_accepted(bytes_only):
+    np = pytest.importorskip("numpy")
+    ids = _encode(bytes_only, "#### 12")
+    span = AnswerSpan(np.int64(0), np.int64(5), np.int64(7))
+    assert locate_answer_tokens(ids, bytes_only, locator=lambda _: span) == locate_answer_tokens(ids, bytes_only)
+
+
+def test_spans_must_match_the_batch(bytes_only):
+    _, responses, mask = _batch(bytes_only, ["#### 1", "#### 2"])
+    with pytest.raises(ValueError, match="1 spans for 2 responses"):
+        answer_token_masks(responses, mask, bytes_only, spans=[None])
+
+
+# --- the span as a string --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("1:2:3", AnswerSpan(1, 2, 3)),
+    (" 0:0:15\n", AnswerSpan(0, 0, 15)),
+    ("", None),
+    ("   ", None),
+    (None, None),
+    (AnswerSpan(4, 5, 6), AnswerSpan(4, 5, 6)),
+])
+def test_parse_answer_span(value, expected):
+    assert parse_answer_span(value) == expected
+
+
+@pytest.mark.parametrize("value", [
+    "1:2", "1:2:3:4", "a:b:c", "-1:2:3", "1.0:2:3", "1:2:3 extra", "１:２:３", "3:2:4", "1:2:2",
+    5, 1.5, float("nan"), b"1:2:3", [1, 2, 3],
+])
+def test_parse_answer_span_rejects_garbage(value):
+    with pytest.raises(ValueError, match="answer span"):
+        parse_answer_span(value)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 10**6))
+def test_format_and_parse_are_inverse(marker_start, gap, length):
+    span = AnswerSpan(marker_start, marker_start + gap, marker_start + gap + length)
+    assert parse_answer_span(format_answer_span(span)) == span
+    assert format_answer_span(None) == "" and parse_answer_span(format_answer_span(None)) is None

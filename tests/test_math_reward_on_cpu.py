@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl_oar.answer_span import find_answer_span
+from verl_oar.answer_span import find_answer_span, parse_answer_span
 from verl_oar.math_reward import compute_score
 
 # (response, ground truth, expected score, expected pred): checked by hand
@@ -45,19 +45,53 @@ CASES = [
     # no ground truth: never correct
     ("\\boxed{12}", "", 0.0, "12"),
     ("\\boxed{12}", None, 0.0, "12"),
+    # the answer formats of other math RL data
+    ("6 * 7 = 42\nAnswer: 42", "42", 1.0, "42"),                                      # DAPO-Math
+    ("so 41? no\n**Answer:** $\\frac{1}{2}$", "0.5", 1.0, "\\frac{1}{2}"),
+    ("## Final Answer\n\n$$\\frac{\\pi}{4}$$", "\\frac{\\pi}{4}", 1.0, "\\frac{\\pi}{4}"),
+    ("Final Answer: The final answer is $7$. I hope it is correct.", "7", 1.0, "7"),  # Minerva
+    ("Answer: 8\n#### 9", "8", 0.0, "9"),                                             # the later marker
+    ("The answer is 3, since 3 is odd.", "3", 1.0, "3"),                               # justification cut
+    ("The answer is x = 3, y = 4.", "x=3, y=4", 1.0, "x = 3, y = 4"),
+    ("The answer is (1, 2), which is the only pair.", "(1,2)", 1.0, "(1, 2)"),
+    ("Thus \\[ \\boxed{42} \\]", "42", 1.0, "42"),
 ]
+
+# (response, answer_span): offsets checked by hand
+SPANS = [
+    ("so \\boxed{0.5}", "3:10:13"),
+    ("48/2 = 24\n#### 1,000", "10:15:20"),
+    ("x\nAnswer: 42", "2:10:12"),
+    ("The answer is $7$.", "0:15:16"),
+    ("I think it's 4", ""),
+    ("so \\boxed{4", ""),
+]
+
+
+def _without_span(result):
+    return {key: value for key, value in result.items() if key != "answer_span"}
 
 
 @pytest.mark.parametrize(("response", "ground_truth", "score", "pred"), CASES)
 def test_hand_checked(response, ground_truth, score, pred):
     result = compute_score("math500", response, ground_truth)
-    assert result == {"score": score, "acc": score, "pred": pred}
+    assert _without_span(result) == {"score": score, "acc": score, "pred": pred}
+    span = parse_answer_span(result["answer_span"])
+    assert (span is None) == (pred == "")
+    if span is not None:
+        assert response[span.start:span.end] == pred and span.marker_start < span.start
+
+
+@pytest.mark.parametrize(("response", "answer_span"), SPANS)
+def test_answer_span_by_hand(response, answer_span):
+    assert compute_score("math500", response, "")["answer_span"] == answer_span
 
 
 def test_same_keys_every_call():
     """verl builds one array per key of the first result, so every result must have the same keys."""
-    keys = {frozenset(compute_score("gsm8k", r, g)) for r, g, _, _ in CASES}
-    assert keys == {frozenset({"score", "acc", "pred"})}
+    results = [compute_score("gsm8k", r, g) for r, g, _, _ in CASES]
+    assert {frozenset(result) for result in results} == {frozenset({"score", "acc", "pred", "answer_span"})}
+    assert all(isinstance(result["answer_span"], str) for result in results)   # never averaged by verl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,6 +101,7 @@ def test_same_keys_every_call():
 FRAGMENTS = st.sampled_from([
     "\\boxed{", "\\fbox{", "\\boxed ", "{", "}", "\\{", "\\}", "####", "The answer is", "the final answer is:",
     "$", ".", ". ", "\n", " ", "12", "-3", "1,000", "\\frac{1}{2}", "x", "so", "é", "∞",
+    "Answer:", "**Final Answer**", "\n## Final Answer\n", ", since", "; and", "(", ")", "\\[", "\\]", "\\(", "$$",
 ])
 RESPONSES = st.lists(st.one_of(FRAGMENTS, st.text(max_size=4)), max_size=14).map("".join)
 
@@ -80,7 +115,11 @@ def _span_text(text: str) -> str:
 @given(RESPONSES)
 def test_pred_is_the_answer_span(text):
     # an empty ground truth is never verified: this checks extraction alone, quickly
-    assert compute_score("math500", text, "")["pred"] == _span_text(text)
+    result = compute_score("math500", text, "")
+    assert result["pred"] == _span_text(text)
+    span = parse_answer_span(result["answer_span"])
+    assert span == find_answer_span(text)
+    assert result["pred"] == ("" if span is None else text[span.start:span.end])
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -107,7 +146,7 @@ def test_timeout_scores_zero_and_recovers(caplog):
     compute_score("math500", "\\boxed{0.5}", "\\frac{1}{2}")        # a worker is up
     with caplog.at_level("WARNING", logger="verl_oar.math_reward"):
         result = compute_score("math500", "\\boxed{3/4}", "0.75", timeout_s=0.0)
-    assert result == {"score": 0.0, "acc": 0.0, "pred": "3/4"}
+    assert result == {"score": 0.0, "acc": 0.0, "pred": "3/4", "answer_span": "0:7:10"}
     assert "did not answer" in caplog.text
     assert compute_score("math500", "\\boxed{3/4}", "0.75")["score"] == 1.0   # a fresh worker answers
 
@@ -141,7 +180,7 @@ def test_verl_loads_it_by_pkg_path():
 
     reward_fn = get_custom_reward_fn(_reward_config())
     result = reward_fn(data_source="aime24", solution_str="\\boxed{033}", ground_truth="33", extra_info={})
-    assert result == {"score": 1.0, "acc": 1.0, "pred": "033"}
+    assert result == {"score": 1.0, "acc": 1.0, "pred": "033", "answer_span": "0:7:10"}
 
 
 def test_verl_naive_reward_manager_runs_it():
@@ -169,6 +208,7 @@ def test_verl_naive_reward_manager_runs_it():
         },
     )
     out = manager.loop.run_until_complete(manager.run_single(data))
-    assert out == {"reward_score": 1.0, "reward_extra_info": {"score": 1.0, "acc": 1.0, "pred": "0.5"}}
+    assert out == {"reward_score": 1.0,
+                   "reward_extra_info": {"score": 1.0, "acc": 1.0, "pred": "0.5", "answer_span": "14:21:24"}}
     rm_scores = type(manager).assemble_rm_scores(data, [out["reward_score"]])
     assert rm_scores.sum().item() == 1.0 and rm_scores[0, len(response) - 1].item() == 1.0

@@ -21,7 +21,8 @@ an earlier marker of the same rule is not used):
      content is the rest of the label's line; when that is blank, the next non-blank line. If that
      content line contains a saying-form phrase (rule 3, e.g. Minerva's ``Final Answer: The final
      answer is $42$. I hope it is correct.``), the content starts after its last phrase on that line.
-     The marker (``marker_start``) is still the label. ``Answer the question`` is no label (no colon);
+     The marker (``marker_start``) is still the label. ``Answer the question`` (no colon) and
+     ``so Answer: 5`` (not at the start of its line) are no labels;
    * ``####`` (exactly four, GSM8K): the content is the rest of its line.
 3. **Saying form**: the last "The answer is" / "The final answer is" (also "my", "our" for "the", or
    "Final answer is"; case-insensitive, optional colon). The content is the rest of its line; when that
@@ -32,8 +33,8 @@ The content of rules 2 and 3 (a *phrase*) is read from its start to the first of
 
 * the end of the line (a display-math block ``$$``/``\\[`` opened at the start of the content and
   closed on a later line is read whole);
-* a sentence end: ``.`` followed by whitespace or the end of the text (not the last dot of ``..``),
-  or ``。``;
+* a sentence end: ``.`` followed by whitespace or the end of the text, unless it follows another
+  dot (``1, 2, 3, ...`` keeps its ellipsis), or ``。``;
 * a *justification*: ``,`` or ``;``, whitespace, then one of the words since, because, as, so,
   which, where, whereas, while, and, but, therefore, thus, hence, given, i.e., e.g. (a whole word,
   any case); or whitespace then ``because`` / ``since`` with no punctuation (subordinators that no
@@ -77,8 +78,9 @@ import codecs
 import functools
 import itertools
 import logging
+import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,12 +88,15 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AnswerLocator",
     "AnswerSpan",
     "answer_token_masks",
     "decode_with_offsets",
     "find_answer_span",
+    "format_answer_span",
     "line_break_tokens",
     "locate_answer_tokens",
+    "parse_answer_span",
     "token_char_offsets",
 ]
 
@@ -108,11 +113,16 @@ class AnswerSpan:
     """Character offsets of the final answer in a response text."""
 
     marker_start: int
-    """Where the answer's marker (``\\boxed``, ``####``, "The answer is") begins."""
+    """Where the answer's marker (``\\boxed``, ``Answer:``, ``####``, "The answer is") begins: the
+    reasoning tokens are those that end at or before it."""
     start: int
     """First character of the answer content."""
     end: int
     """One past its last character: the content is ``text[start:end]``."""
+
+
+AnswerLocator = Callable[[str], AnswerSpan | None]
+"""A function ``text -> AnswerSpan | None`` like :func:`find_answer_span` (``verl_oar.answer_locator``)."""
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
@@ -328,6 +338,76 @@ def _unwrapped_math(text: str, start: int, end: int) -> tuple[int, int]:
     return start, end
 
 
+_SPAN_STRING = re.compile(r"(\d+):(\d+):(\d+)", re.ASCII)
+
+
+def format_answer_span(span: AnswerSpan | None) -> str:
+    """``"<marker_start>:<start>:<end>"``, or ``""`` for None: the form a reward function returns
+    (a string, so that verl does not average it into metrics); read back by :func:`parse_answer_span`."""
+    return "" if span is None else f"{span.marker_start}:{span.start}:{span.end}"
+
+
+def parse_answer_span(value: str | AnswerSpan | None) -> AnswerSpan | None:
+    """Read a span in the form :func:`format_answer_span` writes (e.g. ``verl_oar.math_reward``'s
+    ``answer_span``): ``"<marker_start>:<start>:<end>"`` -> AnswerSpan; None, ``""`` (or blanks) -> None;
+    an AnswerSpan is returned as is. ValueError on anything else, or on offsets out of order
+    (``marker_start <= start < end`` is required; the bound ``end <= len(text)`` is checked where the
+    text is known, in :func:`answer_token_masks`)."""
+    if value is None or isinstance(value, AnswerSpan):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(
+            f"answer span {value!r} ({type(value).__name__}) is not a string: expected "
+            f"'<marker_start>:<start>:<end>' (character offsets) or '' for no answer"
+        )
+    if not value.strip():
+        return None
+    match = _SPAN_STRING.fullmatch(value.strip())
+    if match is None:
+        raise ValueError(
+            f"answer span {value!r} is not of the form '<marker_start>:<start>:<end>' (three non-negative "
+            f"integers, character offsets, e.g. '10:22:24') or '' for no answer"
+        )
+    marker_start, start, end = map(int, match.groups())
+    if not marker_start <= start < end:
+        raise ValueError(
+            f"answer span {value!r} is out of order: need marker_start <= start < end (the answer content "
+            f"text[start:end] is not empty and its marker does not begin after it)"
+        )
+    return AnswerSpan(marker_start, start, end)
+
+
+def _checked_span(value: Any, text: str, source: str) -> AnswerSpan | None:
+    """``value`` if it is None or a valid AnswerSpan of ``text``; ValueError naming ``source`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, AnswerSpan):
+        raise ValueError(
+            f"{source} returned {value!r} ({type(value).__name__}); an answer locator must return "
+            f"verl_oar.answer_span.AnswerSpan(marker_start, start, end) or None"
+        )
+    try:
+        fields = [operator.index(v) for v in (value.marker_start, value.start, value.end)]
+    except TypeError:
+        fields = None
+    if fields is None or any(isinstance(v, bool) for v in (value.marker_start, value.start, value.end)):
+        raise ValueError(f"{source} returned {value!r}: its offsets must be integers (character offsets)")
+    marker_start, start, end = fields
+    if not 0 <= marker_start <= start < end <= len(text):
+        raise ValueError(
+            f"{source} returned {value!r} for a text of {len(text)} characters: need "
+            f"0 <= marker_start <= start < end <= {len(text)} (character offsets into the response decoded "
+            f"with skip_special_tokens=True; the answer is text[start:end], non-empty)"
+        )
+    return AnswerSpan(marker_start, start, end)
+
+
+def _locator_name(locator: Any) -> str:
+    module = getattr(locator, "__module__", None)
+    name = getattr(locator, "__qualname__", None) or getattr(locator, "__name__", None)
+    return f"answer locator {module}.{name}" if module and name else f"answer locator {locator!r}"
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Characters of each token
 # ---------------------------------------------------------------------------------------------
@@ -502,24 +582,38 @@ def token_char_offsets(token_ids: Sequence[int], tokenizer: Any) -> list[tuple[i
 # ---------------------------------------------------------------------------------------------
 
 
-def locate_answer_tokens(token_ids: Sequence[int], tokenizer: Any) -> tuple[list[bool], list[bool]] | None:
-    """Classify the tokens of one response (no padding) as reasoning and/or answer tokens.
-
-    The response is decoded with ``skip_special_tokens=True``. Reasoning: the token's span ends at or
-    before the marker's first character (skipped special tokens before the marker included).
-    Answer: the token's span overlaps the answer content. Returns None when no answer is found.
-    """
-    text, offsets = decode_with_offsets(token_ids, tokenizer, skip_special_tokens=True)
-    span = find_answer_span(text)
-    if span is None:
-        return None
+def _classify(offsets: list[tuple[int, int]], span: AnswerSpan) -> tuple[list[bool], list[bool]]:
     reasoning = [end <= span.marker_start for _, end in offsets]
     answer = [start < span.end and end > span.start for start, end in offsets]
     return reasoning, answer
 
 
+def locate_answer_tokens(
+    token_ids: Sequence[int], tokenizer: Any, locator: AnswerLocator | None = None
+) -> tuple[list[bool], list[bool]] | None:
+    """Classify the tokens of one response (no padding) as reasoning and/or answer tokens.
+
+    The response is decoded with ``skip_special_tokens=True`` and ``locator`` (default
+    :func:`find_answer_span`) finds the answer in that text; its result is checked (ValueError naming
+    the locator if it is not None or an AnswerSpan with ``0 <= marker_start <= start < end <= len(text)``).
+    Reasoning: the token's span ends at or before the marker's first character (skipped special
+    tokens before the marker included). Answer: the token's span overlaps the answer content.
+
+    Returns:
+        ``(reasoning, answer)``, two lists of ``len(token_ids)`` bools, or None when no answer is found.
+    """
+    text, offsets = decode_with_offsets(token_ids, tokenizer, skip_special_tokens=True)
+    locator = find_answer_span if locator is None else locator
+    span = _checked_span(locator(text), text, _locator_name(locator))
+    return None if span is None else _classify(offsets, span)
+
+
 def answer_token_masks(
-    responses: Tensor, response_mask: Tensor, tokenizer: Any
+    responses: Tensor,
+    response_mask: Tensor,
+    tokenizer: Any,
+    locator: AnswerLocator | None = None,
+    spans: Sequence[AnswerSpan | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Reasoning and answer masks of a batch of responses (one text pass per row).
 
@@ -527,12 +621,23 @@ def answer_token_masks(
         responses: (B, T) long, response token ids; padding may hold any id.
         response_mask: (B, T) bool or 0/1; true on the response's real tokens (in verl a prefix).
         tokenizer: a Hugging Face tokenizer (``decode``, ``convert_ids_to_tokens``).
+        locator: ``text -> AnswerSpan | None`` for the rows without a span (default :func:`find_answer_span`).
+        spans: optional, B entries of ``AnswerSpan | None``: a row's span in characters of its text as
+            :func:`locate_answer_tokens` decodes it (the row's masked tokens, ``skip_special_tokens=True``),
+            used instead of calling the locator; None rows call the locator. Every span is checked
+            against its row's text (ValueError naming the row).
 
     Returns:
         reasoning: (B, T) bool, answer: (B, T) bool — both False on padding and on rows without an
         answer; found: (B,) bool. All on ``responses``' device.
     """
     batch, length = responses.shape
+    if spans is not None and len(spans) != batch:
+        raise ValueError(
+            f"answer_token_masks: {len(spans)} spans for {batch} responses; give one per row (None: locate it)"
+        )
+    locator = find_answer_span if locator is None else locator
+    name = _locator_name(locator)
     mask = response_mask.to(torch.bool).cpu()
     ids = responses.cpu()
     reasoning = torch.zeros(batch, length, dtype=torch.bool)
@@ -540,9 +645,15 @@ def answer_token_masks(
     found = torch.zeros(batch, dtype=torch.bool)
     for row in range(batch):  # text processing is per sample by nature
         positions = mask[row].nonzero().squeeze(1)
-        located = locate_answer_tokens(ids[row, positions].tolist(), tokenizer)
-        if located is None:
+        text, offsets = decode_with_offsets(ids[row, positions].tolist(), tokenizer, skip_special_tokens=True)
+        given = None if spans is None else spans[row]
+        if given is not None:
+            span = _checked_span(given, text, f"spans[{row}] (given to answer_token_masks)")
+        else:
+            span = _checked_span(locator(text), text, name)
+        if span is None:
             continue
+        located = _classify(offsets, span)
         found[row] = True
         reasoning[row, positions] = torch.tensor(located[0], dtype=torch.bool)
         answer[row, positions] = torch.tensor(located[1], dtype=torch.bool)

@@ -8,12 +8,15 @@ Checked against verl 0.9.1: ``verl/trainer/ppo/reward.py:get_custom_reward_fn`` 
 wraps the function so that ``reward.custom_reward_function.reward_kwargs`` are passed as keyword
 arguments (``timeout_s`` below can be set there).
 
-1. **Extraction** -- ``pred = text[span.start:span.end]`` for
+1. **Extraction** -- ``pred = solution_str[span.start:span.end]`` for
    ``span = verl_oar.answer_span.find_answer_span(solution_str)``: the last ``\\boxed{...}`` /
-   ``\\fbox{...}``, else what follows the last ``####``, else what follows "The answer is". verl's
-   reward manager grades the response decoded with ``skip_special_tokens=True``, the same text OAR
-   locates the answer tokens in, so the verifier reads exactly the characters whose tokens OAR
-   treats as the answer. No answer -> score 0, ``pred = ""``.
+   ``\\fbox{...}``, else the later of the last ``Answer:`` / ``Final Answer`` label and the last
+   ``####``, else what follows the last "The (final) answer is" (up to its sentence end or a
+   justification such as ", since"; one pair of ``$...$`` / ``\\(...\\)`` around it removed; the
+   exact rules are in ``verl_oar.answer_span``'s docstring). verl's reward manager grades the
+   response decoded with ``skip_special_tokens=True``, the same text OAR locates the answer tokens
+   in, and the result says where ``pred`` is (``answer_span``), so OAR can ground on exactly the
+   characters the verifier graded. No answer -> score 0, ``pred = ""``, ``answer_span = ""``.
 2. **Verification** -- ``math_verify.parse("\\boxed{ground_truth}")`` (LaTeX extraction) against
    ``parse("\\boxed{pred}")`` (expression and LaTeX extraction), correct if any pair ``verify``s:
    the configuration of verl's ``verl/utils/reward_score/math_verify.py``, which however parses the
@@ -37,7 +40,13 @@ arguments (``timeout_s`` below can be set there).
    import time (``find_answer_span`` and math-verify are imported when used): workers start without
    torch, in about a second.
 
-Return value: ``{"score": 1.0 | 0.0, "acc": 1.0 | 0.0, "pred": str}``, the same keys every call.
+Return value: ``{"score": 1.0 | 0.0, "acc": 1.0 | 0.0, "pred": str, "answer_span": str}``, the same
+keys every call. ``answer_span`` is ``"<marker_start>:<start>:<end>"``, character offsets into
+``solution_str`` of the graded answer's marker (``\\boxed``, ``Answer:``, ...) and content, so that
+``solution_str[start:end] == pred``; or ``""`` when no answer was found.
+``verl_oar.answer_span.parse_answer_span`` reads it back (an ``AnswerSpan``, or None for ``""``). It is
+a string on purpose: verl averages every numeric key into validation metrics (and builds one numpy
+array per key); a string is not averaged.
 What verl 0.9.1 does with it: ``NaiveRewardManager`` takes ``result["score"]`` as the sequence
 reward (on the last response token) and puts every key, ``score`` included, in
 ``reward_extra_info``. In training these go to each sample's ``extra_fields`` (DAPO-style group
@@ -229,11 +238,11 @@ def _serve() -> None:
 
 def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None,
                   timeout_s: float = TIMEOUT_S, **kwargs: Any) -> dict[str, Any]:
-    """verl reward function: ``{"score", "acc", "pred"}`` (see the module docstring).
+    """verl reward function: ``{"score", "acc", "pred", "answer_span"}`` (see the module docstring).
 
     ``data_source`` and ``extra_info`` are not used: every source is graded the same way.
     """
-    from verl_oar.answer_span import find_answer_span
+    from verl_oar.answer_span import find_answer_span, format_answer_span
 
     span = find_answer_span(solution_str)
     pred = "" if span is None else solution_str[span.start:span.end]
@@ -245,7 +254,7 @@ def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_
     else:
         correct = _verify_with_timeout(pred, truth, float(timeout_s))
     value = 1.0 if correct else 0.0
-    return {"score": value, "acc": value, "pred": pred}
+    return {"score": value, "acc": value, "pred": pred, "answer_span": format_answer_span(span)}
 
 
 if __name__ == "__main__":
