@@ -625,7 +625,10 @@ def answer_token_masks(
         spans: optional, B entries of ``AnswerSpan | None``: a row's span in characters of its text as
             :func:`locate_answer_tokens` decodes it (the row's masked tokens, ``skip_special_tokens=True``),
             used instead of calling the locator; None rows call the locator. Every span is checked
-            against its row's text (ValueError naming the row).
+            against its row's text (ValueError naming the row). Mind the decoding: verl's reward managers
+            decode with the tokenizer's default ``clean_up_tokenization_spaces``; where that is True
+            (e.g. Llama-3's tokenizer config) a reward's offsets can be shifted from this text (which
+            is decoded without clean-up), and only their range is checked here.
 
     Returns:
         reasoning: (B, T) bool, answer: (B, T) bool — both False on padding and on rows without an
