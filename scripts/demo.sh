@@ -4,6 +4,6 @@
 # Flags go to python -m verl_oar.testbed.demo (--help lists them: seeds, steps, task size, methods).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+bash scripts/install.sh plot   # the report's figures need matplotlib (the plot extra)
 . .venv/bin/activate
 exec python -m verl_oar.testbed.demo "$@"
