@@ -70,7 +70,7 @@ py_in_range "$VPY" || die "$VENV is not Python 3.10-3.12 (what verl 0.9.1 suppor
 # A stamp per set of extras names the pyproject.toml and the verl version of the last complete
 # install of that set; with it current and every requirement met there is nothing to do.
 stamp_of() {
-  "$VPY" - "$EXTRAS" "$VERL_VERSION" <<'PY'
+  "$VPY" -I - "$EXTRAS" "$VERL_VERSION" <<'PY'
 import hashlib, sys
 extras = sorted({e.strip() for e in sys.argv[1].split(",") if e.strip()})
 print("+".join(extras) or "core", hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest(), sys.argv[2])
@@ -78,7 +78,7 @@ PY
 }
 
 requirements_met() {
-  "$VPY" - "$EXTRAS" "$VERL_VERSION" <<'PY' >/dev/null 2>&1
+  "$VPY" -I - "$EXTRAS" "$VERL_VERSION" <<'PY' >/dev/null 2>&1
 import importlib.metadata as md, importlib.util, os, sys
 from packaging.requirements import Requirement
 
@@ -97,7 +97,7 @@ PY
 }
 
 summary() {
-  "$VPY" - "$TORCH_SOURCE" "$EXTRAS" <<'PY'
+  "$VPY" -I - "$TORCH_SOURCE" "$EXTRAS" <<'PY'
 import importlib.metadata as md, os, platform, sys
 import torch
 
@@ -140,7 +140,7 @@ has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null |
 # release, e.g. 2.13.0+cpu), "newest VERSION" (the pinned one is not there: the newest there is),
 # "none" (nothing for this Python), or "unreachable REASON".
 probe_cpu_index() {
-  "$VPY" - "$TORCH_CPU_INDEX" "$TORCH_VERSION" "$TORCH_INDEX_TIMEOUT" <<'PY'
+  "$VPY" -I - "$TORCH_CPU_INDEX" "$TORCH_VERSION" "$TORCH_INDEX_TIMEOUT" <<'PY'
 import platform, re, sys, urllib.parse, urllib.request
 
 index, want, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -170,7 +170,7 @@ PY
 
 # pip's --report says where each package came from: the folder of torch's wheel is its index.
 torch_origin() {
-  "$VPY" - "$1" <<'PY'
+  "$VPY" -I - "$1" <<'PY'
 import json, sys, urllib.parse
 for item in json.load(open(sys.argv[1])).get("install", []):
     if item["metadata"]["name"].lower() == "torch":
