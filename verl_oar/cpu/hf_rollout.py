@@ -23,22 +23,48 @@ actor computes for ``old_log_probs``; top-k/top-p truncation affects sampling on
 temperature 0, return unscaled log-probs.) With fp32 weights on both sides the two agree to float
 rounding.
 
+Sampling is reproducible, so that a run resumed from a checkpoint rolls out what the uninterrupted
+run did. Each sampled request draws from a ``torch.Generator`` of its own, one uniform number per
+token (inverse CDF after temperature, top-k and top-p), seeded from a hash of: ``rollout.seed``, the
+replica, the trainer step of the loaded weights (the ``global_steps`` verl's sync trainer passes with
+the weight update after start-up or checkpoint loading and after every step), the request's settings,
+its prompt ids, and its rank among the requests with this prompt and these settings since the last
+weight update. Requests with one prompt are interchangeable (the agent loop sends each prompt n times),
+so a step's multiset of (prompt, response) depends on that alone: not on torch's global RNG, on the
+order in which requests arrive, or on how they are batched. A batch closes once no request has arrived
+for ``BATCH_WAIT_S`` and its rows are sorted by (prompt, seed), so a step's burst of requests becomes
+the same batch in both runs, with bit-identical tokens and log-probs (fp32, same torch build and
+thread count). Limits: a burst split differently (requests more than ``BATCH_WAIT_S`` apart, or more
+than ``max_num_seqs`` of them) changes log-probs by float rounding, which can flip a token sampled
+within that rounding of a boundary of its cumulative distribution; without a ``global_steps`` the count
+of weight updates stands in for the step, and a resumed run restarts that count; equal prompts of two
+groups in one step may swap responses between the groups; several replicas need the same routing of
+requests to replicas in both runs.
+
 Sleep/wake-up are no-ops: on CPU there is no device memory to give back, and the weights stay loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Generator
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import torch
-from transformers import GenerationConfig
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
@@ -67,19 +93,62 @@ def _torch_dtype(name: str) -> torch.dtype:
     return table[name]
 
 
+class _Row(NamedTuple):
+    """One request as a row of a batch: its prompt ids and its sampling seed (unused when greedy)."""
+
+    prompt_ids: list[int]
+    seed: int
+
+
+class _SeededSampler(LogitsProcessor):
+    """Samples each row's next token from the row's own ``torch.Generator``, so that a row's tokens
+    depend on its seed and its own logits only, not on the other rows or on torch's global RNG.
+
+    Applies temperature, top-k and top-p with transformers' own warpers (the order ``generate`` uses
+    when sampling), then picks by inverse CDF with one uniform number per row and token; returns
+    scores that are 0 at the picked token and -inf elsewhere, so that ``generate`` in greedy mode
+    takes exactly that token. ``output_logits`` still returns the model's raw logits.
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, top_k: int, top_p: float) -> None:
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        warpers = []
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k > 0:
+            warpers.append(TopKLogitsWarper(top_k=top_k))
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p))
+        self.warpers = LogitsProcessorList(warpers)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = self.warpers(input_ids, scores)
+        cdf = torch.softmax(scores.double(), dim=-1).cumsum(dim=-1)
+        uniform = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])
+        # the first token whose cumulative probability exceeds u * total: never a zero-probability one
+        picks = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        picks = picks.clamp_(max=scores.shape[-1] - 1)
+        chosen = torch.full_like(scores, float("-inf"))
+        chosen[torch.arange(scores.shape[0]), picks] = 0.0
+        return chosen
+
+
 class HFServer:
     """A transformers model answering verl's token-in/token-out ``generate`` requests.
 
     Concurrent requests (the agent loop sends a step's prompts x n at once) are generated in batches
     of up to ``rollout.max_num_seqs`` left-padded rows with equal settings, one ``model.generate``
     each; a request's tokens and log-probs equal an unbatched generation's up to float rounding.
+    Sampling is seeded per request (module docstring): reproducible across runs and resumption.
 
     Runs as a Ray actor (``ray.remote(HFServer)``); methods mirror the vLLM server's control surface
     that verl calls (wake_up, sleep, clear_kv_cache, abort_all_requests, ...).
     """
 
-    BATCH_WAIT_S = 0.005
-    """how long the first request of a batch waits for others (seconds)"""
+    BATCH_WAIT_S = 0.02
+    """a batch closes once no request has arrived for this long (seconds)..."""
+    BATCH_MAX_WAIT_S = 1.0
+    """...or this long after its first request"""
 
     def __init__(self, config, model_config, replica_rank: int) -> None:
         from transformers import AutoModelForCausalLM
@@ -96,7 +165,9 @@ class HFServer:
         self.global_steps: int | None = None
         self.weight_version = 0
         self._lock = threading.Lock()  # one generate or weight update at a time
-        self._pending: list[tuple[list[int], tuple, asyncio.Future]] = []  # (prompt ids, settings key, result)
+        self._pending: list[tuple[_Row, tuple, asyncio.Future]] = []  # (row, settings key, result)
+        self._seen_since_update: dict[tuple, int] = {}  # (settings key, prompt ids) -> requests so far
+        self._seen_for: Any = None  # the (weights' step, weight version) _seen_since_update counts for
         self._server_task: asyncio.Task | None = None
         self.max_batch_rows = max(1, int(getattr(self.config, "max_num_seqs", 0) or 256))
 
@@ -126,7 +197,6 @@ class HFServer:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        torch.manual_seed(self.config.seed + replica_rank)
         print(
             f"[verl-oar hf rollout] replica {replica_rank}: {type(self.model).__name__} from "
             f"{self.model_config.local_path} ({self.config.dtype}), eos {self.eos_token_ids}",
@@ -167,10 +237,32 @@ class HFServer:
             bool(params.get("ignore_eos", self.config.ignore_eos)),
         )
 
+    def _weights_step(self) -> Any:
+        """The trainer step of the loaded weights, as verl passed it with the last weight update;
+        the number of weight updates where verl passed none."""
+        return self.global_steps if self.global_steps is not None else ("weight_updates", self.weight_version)
+
+    def _request_seed(self, prompt_ids: list[int], key: tuple) -> int:
+        """The sampling seed of a request: a hash of (rollout seed, replica, the weights' step, the
+        settings, the prompt, and how many requests with this prompt and these settings came before
+        it since the last weight update). Called once per request, on arrival, on the event loop."""
+        step = self._weights_step()
+        if (step, self.weight_version) != self._seen_for:
+            self._seen_since_update.clear()
+            self._seen_for = (step, self.weight_version)
+        count_key = (key, tuple(prompt_ids))
+        occurrence = self._seen_since_update.get(count_key, 0)
+        self._seen_since_update[count_key] = occurrence + 1
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(repr((int(self.config.seed), self.replica_rank, step, key, occurrence)).encode())
+        digest.update(torch.tensor(prompt_ids, dtype=torch.int64).numpy().tobytes())
+        return int.from_bytes(digest.digest(), "little") >> 1  # torch seeds are < 2**64; keep it positive
+
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], key: tuple) -> list[tuple[list[int], list[float]]]:
-        """One ``model.generate`` over left-padded prompts that share ``key``; per prompt, the new
-        token ids (cut after the first EOS) and the log-probability of each."""
+    def _generate_batch(self, rows: list[_Row], key: tuple) -> list[tuple[list[int], list[float]]]:
+        """One ``model.generate`` over left-padded prompts that share ``key``; per row, the new
+        token ids (cut after the first EOS) and the log-probability of each. A sampled row draws
+        from its own generator (``_SeededSampler``)."""
         max_new_tokens, temperature, top_p, top_k, repetition_penalty, ignore_eos = key
         greedy = temperature <= 0.0
         fields: dict[str, Any] = {
@@ -178,13 +270,15 @@ class HFServer:
             "pad_token_id": self.pad_token_id,
             "bos_token_id": None,
             "max_new_tokens": max_new_tokens,
-            "do_sample": not greedy,
+            "do_sample": False,  # sampling is _SeededSampler's, which hands generate a one-hot choice
             "return_dict_in_generate": True,
             "output_logits": True,
             "repetition_penalty": repetition_penalty,
         }
-        if not greedy:
-            fields.update(temperature=temperature, top_p=top_p, top_k=top_k)
+        processors = LogitsProcessorList()
+        if not greedy:  # runs after generate's own processors (repetition penalty), as its warpers would
+            processors.append(_SeededSampler([r.seed for r in rows], temperature, top_k, top_p))
+        prompts = [r.prompt_ids for r in rows]
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -193,7 +287,10 @@ class HFServer:
             attention_mask[row, width - len(prompt) :] = 1
         with self._lock:
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=GenerationConfig(**fields)
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=GenerationConfig(**fields),
+                logits_processor=processors,
             )
         new_tokens = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float()  # (rows, new_tokens, vocab), before any warper
@@ -216,12 +313,14 @@ class HFServer:
         generates wait for the next one (vLLM-style batching, without continuous batching)."""
         try:
             while self._pending:
-                await asyncio.sleep(self.BATCH_WAIT_S)  # let the rest of a burst of requests arrive
+                await self._wait_for_burst()
                 pending, self._pending = self._pending, []
                 groups: dict[tuple, list] = {}
                 for request in pending:
                     groups.setdefault(request[1], []).append(request)
-                for key, requests in groups.items():
+                for key in sorted(groups, key=repr):
+                    # rows in an order that does not depend on arrival: the same burst, the same batches
+                    requests = sorted(groups[key], key=lambda r: (r[0].prompt_ids, r[0].seed))
                     for first in range(0, len(requests), self.max_batch_rows):
                         chunk = requests[first : first + self.max_batch_rows]
                         try:
@@ -236,6 +335,15 @@ class HFServer:
                                 request[2].set_result(result)
         finally:
             self._server_task = None
+
+    async def _wait_for_burst(self) -> None:
+        """Wait until no request has arrived for ``BATCH_WAIT_S`` (at most ``BATCH_MAX_WAIT_S``):
+        the agent loop's requests of a step reach the server over some milliseconds."""
+        waited, seen = 0.0, -1
+        while len(self._pending) != seen and waited < self.BATCH_MAX_WAIT_S:
+            seen = len(self._pending)
+            await asyncio.sleep(self.BATCH_WAIT_S)
+            waited += self.BATCH_WAIT_S
 
     async def generate(
         self,
@@ -256,7 +364,8 @@ class HFServer:
         prompt_ids = [int(t) for t in prompt_ids]
         want_log_probs = bool(sampling_params.get("logprobs", False))
         done = asyncio.get_running_loop().create_future()
-        self._pending.append((prompt_ids, self._request_key(len(prompt_ids), sampling_params), done))
+        key = self._request_key(len(prompt_ids), sampling_params)
+        self._pending.append((_Row(prompt_ids, self._request_seed(prompt_ids, key)), key, done))
         if self._server_task is None:
             self._server_task = asyncio.create_task(self._serve_pending())
         token_ids, log_probs = await done
@@ -289,9 +398,9 @@ class HFServer:
                     f"missing {missing[:5]}"
                 )
             self.model.load_state_dict(named_tensors, strict=False)
+            if global_steps is not None:
+                self.global_steps = global_steps
             self.weight_version += 1
-        if global_steps is not None:
-            self.global_steps = global_steps
         return {"loaded": len(named_tensors), "seconds": time.time() - start}
 
     def get_state_dict_checksum(self) -> float:
