@@ -49,3 +49,122 @@ def check_reshaped_exactly_where_importance_varies(dump: Path, steps=(1, 2)) -> 
             else:
                 torch.testing.assert_close(adv[i], grpo[i])  # no variation or a fallback: GRPO credit
     return reshaped_rows
+
+
+def launch_steps(workspace: Path, log: Path, experiment: str, steps: int, *extra: str, estimator: str = "oar_g",
+                 timeout_s: int = 600) -> tuple[int, str]:
+    """``launch`` for ``steps`` training steps (``trainer.total_training_steps``) instead of 2."""
+    with open(log, "w") as fp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "verl_oar.cpu.launch", "--workdir", str(workspace), "--steps", str(steps),
+             "--adv-estimator", estimator, "--experiment-name", experiment, "--timeout", str(timeout_s), *extra],
+            check=False, stdout=fp, stderr=subprocess.STDOUT, timeout=timeout_s + 30,
+        )
+    return proc.returncode, log.read_text()
+
+
+def _rollout_contents(rollout_dir: Path, step: int, keys: list) -> list[tuple[str, str]]:
+    """(prompt, response) text of each dumped row, from verl's ``trainer.rollout_data_dir`` file of
+    the step, whose ``uid`` column is the row's TransferQueue key ({uid}_{session}_{output})."""
+    import json
+
+    path = rollout_dir / f"{step}.jsonl"
+    by_key = {}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        by_key[entry["uid"]] = (entry["input"], entry["output"])
+    missing = [k for k in keys if k not in by_key]
+    assert not missing, f"{path}: no rollout for dumped rows {missing[:3]}"
+    return [by_key[k] for k in keys]
+
+
+def compare_dumped_steps(run_a: Path, run_b: Path, steps, fields, *, rtol: float = 0.0, atol: float = 0.0) -> dict:
+    """Compare two runs' dumped steps (``{run}/dump/step_N.pt``, ``algorithm.oar.dump_dir``) row by row.
+
+    Rows are matched by content -- (prompt, response) from ``{run}/rollouts`` (``trainer.rollout_data_dir``)
+    -- since verl draws a fresh uid per prompt in every run; rows with equal content are ordered by
+    their values. First asserts that each step's multiset of (prompt, response) is the same in both
+    runs (otherwise nothing else is comparable), then that every field agrees within ``atol + rtol *
+    |a|`` (default: bit-equal). Returns ``{step: {field: max |a - b|}}``."""
+    from collections import Counter
+
+    diffs = {}
+    for step in steps:
+        dumps, contents, orders = [], [], []
+        for run in (run_a, run_b):
+            d = torch.load(run / "dump" / f"step_{step}.pt")
+            assert all(f in d for f in fields), f"{run}: step {step} dump lacks {set(fields) - set(d)}"
+            content = _rollout_contents(run / "rollouts", step, list(d["keys"]))
+            values = [tuple(tuple(d[f][i].reshape(-1).tolist()) for f in fields) for i in range(len(content))]
+            order = sorted(range(len(content)), key=lambda i: (content[i], values[i]))
+            dumps.append(d)
+            contents.append([content[i] for i in order])
+            orders.append(order)
+        only_a, only_b = Counter(contents[0]) - Counter(contents[1]), Counter(contents[1]) - Counter(contents[0])
+        assert not only_a and not only_b, (
+            f"step {step}: the two runs rolled out different responses ({sum(only_a.values())} of "
+            f"{len(contents[0])} differ), so their importance and advantages cannot be compared; "
+            f"e.g. {list(only_a)[:1]} vs {list(only_b)[:1]}"
+        )
+        diffs[step] = {}
+        for f in fields:
+            a, b = dumps[0][f][orders[0]].double(), dumps[1][f][orders[1]].double()
+            assert a.shape == b.shape, f"step {step} {f}: shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+            diff = (a - b).abs()
+            diffs[step][f] = float(diff.max()) if diff.numel() else 0.0
+            bad = diff > atol + rtol * a.abs()
+            assert not bad.any(), (
+                f"step {step} {f}: {int(bad.sum())} of {a.numel()} values differ between the runs beyond "
+                f"atol={atol} rtol={rtol} (max |difference| {diffs[step][f]:.3g}, first in row "
+                f"{int(bad.nonzero()[0, 0])} of the content-sorted batch)"
+            )
+    return diffs
+
+
+CONTENT_ORDERED_SAMPLER = (
+    f"trainer.v1.sampler.custom_sampler.path={Path(__file__).resolve()}",
+    "trainer.v1.sampler.custom_sampler.name=ContentOrderedReplayBuffer",
+)
+"""overrides that make a CPU run train each step's rows in an order fixed by their content (below)"""
+
+
+def __getattr__(name: str):
+    # verl loads a custom sampler from a file by name (load_extern_object); built on first use, so
+    # that importing this module does not import verl
+    if name == "ContentOrderedReplayBuffer":
+        return _content_ordered_replay_buffer()
+    raise AttributeError(name)
+
+
+_SAMPLER_CLASSES: dict = {}
+
+
+def _content_ordered_replay_buffer():
+    """verl's sync replay buffer (CPU mode's quick-polling one) handing out each batch's rows sorted
+    by (prompt ids, response ids) rather than in the order the rollouts reached TransferQueue.
+
+    verl 0.9.1 orders a training batch as its trajectories were stored (``ReplayBuffer._materialize_batch``
+    walks the partition in insertion order, replay_buffer.py:399-405), i.e. as their agent loops
+    finished, which varies from run to run; the actor's passes (packed sequences) and the gradient
+    sums then round differently, and OAR-G's ``noisy_kl`` importance -- a KL of two nearly equal
+    distributions -- magnifies that rounding (~3e-5 relative). Rows with equal content (in one group) are equal
+    inputs, so this order is a function of the step's rollouts."""
+    if "cls" not in _SAMPLER_CLASSES:
+        import transfer_queue as tq
+
+        from verl_oar.cpu.replay_buffer import QuickPollReplayBuffer
+
+        class ContentOrderedReplayBuffer(QuickPollReplayBuffer):
+            def sample(self, global_steps: int, partition_id: str, batch_size: int):
+                batch, metrics = super().sample(global_steps, partition_id, batch_size)
+                data = tq.kv_batch_get(
+                    keys=batch.keys, partition_id=partition_id, select_fields=["prompts", "responses"]
+                )
+                prompts, responses = data["prompts"].unbind(), data["responses"].unbind()
+                content = [(tuple(p.tolist()), tuple(r.tolist())) for p, r in zip(prompts, responses)]
+                order = sorted(range(len(batch.keys)), key=lambda i: content[i])
+                return batch.select_keys([batch.keys[i] for i in order]), metrics
+
+        ContentOrderedReplayBuffer.__module__ = __name__
+        _SAMPLER_CLASSES["cls"] = ContentOrderedReplayBuffer
+    return _SAMPLER_CLASSES["cls"]
