@@ -45,7 +45,7 @@ def test_outcome_masks_for_empty_length_one_truncated_and_left_padded(tokenizer)
         enc("2 and 2 make 4 so \\boxed{1"),  # truncated inside the box
     ]
     data = _worker_batch(tokenizer, prompts, responses)
-    reasoning, answer = add_outcome_masks(data, tokenizer)
+    reasoning, answer, _ = add_outcome_masks(data, tokenizer)
     assert reasoning.shape == answer.shape == (5, max(len(r) for r in responses))
     found = answer.bool().any(dim=1).tolist()
     assert found == [True, True, False, False, False]

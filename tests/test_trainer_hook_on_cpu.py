@@ -106,6 +106,10 @@ MEGATRON = "actor_rollout_ref.actor.megatron"
          "override_ddp_config.overlap_param_gather=True: the distributed optimizer then gathers"),
         (["+actor_rollout_ref.actor.optim.override_optimizer_config.overlap_param_gather=True"],
          "optim.override_optimizer_config.overlap_param_gather=True"),
+        ([f"{MEGATRON}.expert_model_parallel_size=2"],
+         rf"{MEGATRON}.expert_model_parallel_size=2: every MoE layer then exchanges tokens \(all-to-all\)"),
+        ([f"{MEGATRON}.tensor_model_parallel_size=2", f"{MEGATRON}.expert_tensor_parallel_size=4"],
+         "expert_tensor_parallel_size=4 .different from tensor_model_parallel_size=2.: the experts' tensor-parallel group"),
         (["actor_rollout_ref.model.mtp.enable=True"], r"mtp.enable=False"),
         (["actor_rollout_ref.model.use_fused_kernels=True"], "use_fused_kernels=False"),
         (["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -130,7 +134,7 @@ def test_megatron_startup_checks_name_the_setting_and_what_works(overrides, matc
         [],  # verl's defaults: TP 1, sequence_parallel on, packing on
         [f"{MEGATRON}.tensor_model_parallel_size=4", f"{MEGATRON}.sequence_parallel=True"],
         [f"{MEGATRON}.tensor_model_parallel_size=2", f"{MEGATRON}.sequence_parallel=False",
-         "actor_rollout_ref.model.use_remove_padding=False", f"{MEGATRON}.expert_model_parallel_size=2"],
+         "actor_rollout_ref.model.use_remove_padding=False", f"{MEGATRON}.expert_tensor_parallel_size=2"],
         ["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=true"],
     ],
 )

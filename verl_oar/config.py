@@ -69,6 +69,18 @@ class OARConfig:
     """compute importance inside verl's old-log-prob pass (the clean forward is shared; with
     ``objective=loglik`` the whole pass is) instead of in a pass of its own; ``importance_model=ref``
     and rollout-correction bypass mode always use a pass of their own"""
+    answer_locator: str = ""
+    """where the final answer is in a response's text: "" (the built-in ``answer_span.find_answer_span``:
+    boxed, "Answer:", "Final Answer", ``####``, "The answer is"), or ``pkg://module.function`` /
+    ``/path/file.py:function`` with its signature (text -> AnswerSpan | None). A reward function that
+    returns ``answer_span`` (``verl_oar.math_reward`` does) overrides it for the outputs it graded"""
+    no_answer_max_frac: float = 0.5
+    """a step whose ``oar/fallback/frac_no_answer`` exceeds this counts towards stopping the run
+    (those responses keep GRPO's credit: a run of them is GRPO under another name)"""
+    no_answer_patience: int = 3
+    """consecutive such steps before the run stops (``no_answer_action=error``) or warns"""
+    no_answer_action: str = "error"
+    """error (stop the run naming the cause and the fix) or warn (print and log, keep training)"""
     dump_dir: str = ""
     """if set, every step's token-level tensors (importance, masks, weights, GRPO and OAR advantages)
     are saved to ``{dump_dir}/step_{N}.pt`` for inspection (heatmaps, debugging); off by default"""
@@ -87,6 +99,23 @@ class OARConfig:
             raise ValueError(
                 f"algorithm.oar.perturb_token_id={self.perturb_token_id!r} is invalid: a token id, or -1 for "
                 "the tokenizer's pad token."
+            )
+        if not isinstance(self.answer_locator, str):
+            raise ValueError(
+                f"algorithm.oar.answer_locator={self.answer_locator!r} is invalid: '' (built-in) or "
+                "'pkg://module.function' or '/path/file.py:function'."
+            )
+        frac = self.no_answer_max_frac
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+            raise ValueError(f"algorithm.oar.no_answer_max_frac={frac!r} is invalid: a fraction in [0, 1].")
+        if isinstance(self.no_answer_patience, bool) or not isinstance(self.no_answer_patience, int) \
+                or self.no_answer_patience < 1:
+            raise ValueError(
+                f"algorithm.oar.no_answer_patience={self.no_answer_patience!r} is invalid: consecutive steps, an integer >= 1."
+            )
+        if self.no_answer_action not in ("error", "warn"):
+            raise ValueError(
+                f"algorithm.oar.no_answer_action={self.no_answer_action!r} is invalid: 'error' (stop the run) or 'warn'."
             )
         if not isinstance(self.perturb_max_tokens, int) or self.perturb_max_tokens < 0:
             raise ValueError(

@@ -16,6 +16,7 @@ from contextlib import nullcontext
 import torch
 from tensordict import TensorDict
 
+from verl_oar.answer_locator import load_answer_locator
 from verl_oar.config import OARConfig
 from verl_oar.engine_fsdp_unshard import unsharded_for_importance
 from verl_oar.engine_inputs import add_outcome_masks, nested, remove_masks
@@ -67,7 +68,8 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
     Returns:
         On ranks that report outputs, a TensorDict in the order of ``data`` with nested
         (bs, response_len) fields ``oar_importance`` (float32), ``oar_reasoning_mask`` and
-        ``oar_answer_mask`` (int64); for OAR-P also (bs,) float32 ``oar_perturb_copies`` (occluded
+        ``oar_answer_mask`` (int64); (bs,) int64 ``oar_answer_source`` (where each answer came from,
+        ``engine_inputs.add_outcome_masks``); for OAR-P also (bs,) float32 ``oar_perturb_copies`` (occluded
         copies scored), ``oar_perturb_passes`` (tokens fed to the model / sequence length) and
         ``oar_perturb_peak_tokens`` (the sample's largest model call, rows x tokens);
         ``None`` on other ranks (as verl's ``infer_batch``).
@@ -110,7 +112,9 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
 
     tokenizer = worker.model_config.tokenizer
     perturb = method == "perturbation"
-    reasoning, answer = add_outcome_masks(data, tokenizer, line_ends=perturb and cfg.perturb_mode == "line")
+    reasoning, answer, answer_source = add_outcome_masks(
+        data, tokenizer, load_answer_locator(cfg.answer_locator), line_ends=perturb and cfg.perturb_mode == "line"
+    )
     if perturb:
         neutral = neutral_token_id(cfg, tokenizer)
         token_budget, rows_budget = _perturbation_budget(data, cfg)
@@ -165,6 +169,7 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
             "oar_importance": nested(resp_rows),
             "oar_reasoning_mask": nested([reasoning[i, :r] for i, r in enumerate(response_lens)]),
             "oar_answer_mask": nested([answer[i, :r] for i, r in enumerate(response_lens)]),
+            "oar_answer_source": answer_source,
             **per_sample,
             **model_outputs,
         },

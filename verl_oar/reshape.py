@@ -262,6 +262,7 @@ def reshape_stats(
     adv_after: Tensor,
     cfg: ReshapeConfig,
     importance: Tensor | None = None,
+    rows: Tensor | None = None,
 ) -> dict[str, float]:
     """Scalar diagnostics of one batch of reshaping, for logging (the caller adds a prefix).
 
@@ -271,6 +272,8 @@ def reshape_stats(
         adv_before, adv_after: (B, T) float, token advantages before and after reshaping.
         cfg: the config the weights were made with (``floor`` is used for ``weight/frac_at_floor``).
         importance: optional (B, T) float; adds ``importance/*`` from its finite reasoning values.
+        rows: optional (B,) bool, the rows to count (e.g. not verl's synthetic padding rows); every
+            measure below is over these rows only. None: all rows.
 
     Returns:
         Always present (for B > 0):
@@ -287,6 +290,13 @@ def reshape_stats(
           ``importance/mean``, ``importance/max``.
     """
     out: dict[str, float] = {}
+    if rows is not None:
+        keep = rows.to(device=weights.fallback.device, dtype=torch.bool)
+        weights = TokenWeights(weights=weights.weights[keep], unnormalized=weights.unnormalized[keep],
+                               fallback=weights.fallback[keep])
+        reasoning_mask, response_mask = reasoning_mask[keep], response_mask[keep]
+        adv_before, adv_after = adv_before[keep], adv_after[keep]
+        importance = None if importance is None else importance[keep]
     fallback = weights.fallback
     batch = fallback.numel()
     if batch == 0:

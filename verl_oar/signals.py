@@ -41,6 +41,16 @@ class SignalProvider:
     fuse: Callable[[Any, Any], bool] | None = None
     """``fuse(trainer, batch) -> bool``, called right before the old-log-prob pass: True if it
     arranged for that pass to produce ``fields`` itself (then ``compute`` is skipped this step)"""
+    prepare: Callable[[Any, Any], None] | None = None
+    """``prepare(trainer, batch)``, called right before the old-log-prob pass (before ``fuse``): put
+    what the workers will need into TransferQueue"""
+    report: Callable[[Any, Any], dict] | None = None
+    """``report(trainer, batch) -> metrics``, called once ``fields`` are in TransferQueue (fused or
+    not): per-step metrics of the signal's computation (logged as they are named)"""
+    guard: Callable[[Any], Any] | None = None
+    """``guard(config) -> object with observe(step, estimator_metrics) -> metrics``, built at start-up
+    and fed every step's estimator metrics: it raises to stop a run in which the signal cannot take
+    effect (e.g. OAR with no locatable answers: GRPO under another name)"""
 
 
 SIGNALS: dict[str, SignalProvider] = {}
@@ -52,11 +62,15 @@ def register_token_signal(
     fields: tuple[str, ...],
     validate: Callable[[Any], None] | None = None,
     fuse: Callable[[Any, Any], bool] | None = None,
+    prepare: Callable[[Any, Any], None] | None = None,
+    report: Callable[[Any, Any], dict] | None = None,
+    guard: Callable[[Any], Any] | None = None,
 ):
     """Decorator: register ``compute(trainer, batch, metrics)`` as the provider of signal ``name``."""
 
     def decorator(compute):
-        SIGNALS[name] = SignalProvider(name=name, fields=tuple(fields), compute=compute, validate=validate, fuse=fuse)
+        SIGNALS[name] = SignalProvider(name=name, fields=tuple(fields), compute=compute, validate=validate, fuse=fuse,
+                                       prepare=prepare, report=report, guard=guard)
         return compute
 
     return decorator
@@ -110,6 +124,13 @@ class TokenSignals:
     """global training step (for seeding)"""
     artifacts: dict[str, torch.Tensor] = field(default_factory=dict)
     """filled by the estimator with per-token results worth saving (see ``algorithm.oar.dump_dir``)"""
+    real_rows: torch.Tensor | None = None
+    """(bs,) bool: False on the synthetic rows verl appends to make the batch divisible (their tag
+    ``is_padding``); metrics count real rows only. None: every row is real."""
+    session_final: torch.Tensor | None = None
+    """(bs,) long: the row of each row's agent-loop session's final output (keys
+    ``{uid}_{session}_{index}``, the largest index); a session's outputs share its final output's
+    group advantage, as verl's v1 GRPO does. None: every row is its own session's final output."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -13,20 +13,30 @@ nested (bs, response_len) fields into TransferQueue:
 
 from __future__ import annotations
 
+from verl_oar.answer_locator import load_answer_locator
 from verl_oar.config import OARConfig
+from verl_oar.fallback_guard import NoAnswerGuard
 from verl_oar.signals import register_token_signal
 
 IMPORTANCE_FIELDS = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask")
 SUPPORTED_STRATEGIES = ("fsdp", "fsdp2", "megatron")
 MEGATRON_SUPPORTED = (
-    "tensor_model_parallel_size (with or without sequence_parallel), data parallelism, expert parallelism, "
-    "use_remove_padding on or off, pipeline_model_parallel_size=1, context_parallel_size=1"
+    "tensor_model_parallel_size (with or without sequence_parallel), data parallelism, MoE models with "
+    "expert_model_parallel_size=1, use_remove_padding on or off, pipeline_model_parallel_size=1, "
+    "context_parallel_size=1"
 )
 """what OAR importance supports on verl's Megatron engine, named in every refusal"""
 IMPORTANCE_METHOD = {"oar_g": "gradient", "oar_p": "perturbation"}
 """estimator name -> how its importance is measured (``verl_oar.engine_importance.METHODS``)"""
 PERTURBATION_COST_FIELDS = ("oar_perturb_copies", "oar_perturb_passes", "oar_perturb_peak_tokens")
 """(bs,) float32 per-sample cost written by OAR-P workers, read back for metrics"""
+ANSWER_SPAN_KEY = "answer_span"
+"""the reward function's extra key holding the graded answer's span (``verl_oar.math_reward``)"""
+ANSWER_SPAN_FIELD = "oar_answer_span"
+"""(bs, 3) int64 TransferQueue field: the reward's span (marker_start, start, end), -1 = none"""
+ANSWER_SOURCES = {0: "none", 1: "locator", 2: "reward", 3: "reward_rejected"}
+"""``oar_answer_source`` (bs,) int64 written by the workers: no answer; found by the locator; the
+reward's span; the reward's span did not fit the response's text (the locator was used instead)"""
 
 
 def importance_method(config) -> str:
@@ -37,6 +47,7 @@ def importance_method(config) -> str:
 def validate_importance_config(config) -> None:
     """Start-up checks: raise with the cause and the fix before any worker is built."""
     oar = OARConfig.from_algorithm(config.algorithm)
+    load_answer_locator(oar.answer_locator)  # a ValueError naming the problem and the fix, before any worker
     _validate_engine(config, "actor")
     if config.actor_rollout_ref.model.get("use_fused_kernels", False):
         raise ValueError(
@@ -112,15 +123,28 @@ def _validate_megatron(config, node, prefix: str) -> None:
         "pipeline_model_parallel_size)",
         "context_parallel_size": "context parallelism splits every sequence over ranks in a zigzag "
         "layout that OAR's token layout does not follow",
+        "expert_model_parallel_size": "every MoE layer then exchanges tokens (all-to-all) over the expert-parallel "
+        "group, which spans data-parallel ranks, while OAR makes a data-dependent number of model calls per rank "
+        "(answers found, OAR-P copies): a rank waiting in an all-to-all its peers never enter hangs under NCCL",
     }
     for key, reason in why.items():
         if size(key) > 1:
             raise ValueError(
                 f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.{key}={size(key)}: "
                 f"{reason}. Set {prefix}.megatron.{key}={'null' if key.startswith('virtual') else 1}; shard the model "
-                f"with tensor_model_parallel_size and sequence_parallel instead. Supported on Megatron: "
+                f"with tensor_model_parallel_size and sequence_parallel instead (for a MoE model too: its experts "
+                f"are then tensor-parallel). Supported on Megatron: "
                 f"{MEGATRON_SUPPORTED}. Or use actor_rollout_ref.actor.strategy=fsdp2, or algorithm.adv_estimator=grpo."
             )
+    etp = megatron.get("expert_tensor_parallel_size", None)
+    if etp is not None and int(etp) not in (1, size("tensor_model_parallel_size")):
+        raise ValueError(
+            f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.expert_tensor_parallel_size="
+            f"{etp} (different from tensor_model_parallel_size={size('tensor_model_parallel_size')}): the experts' "
+            "tensor-parallel group then spans data-parallel ranks, whose numbers of model calls differ under OAR, "
+            f"so their collectives would hang. Set it to null (= tensor_model_parallel_size). Supported on Megatron: "
+            f"{MEGATRON_SUPPORTED}."
+        )
     if megatron.get("dynamic_context_parallel", False):
         raise ValueError(
             f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.dynamic_context_parallel=True "
@@ -186,8 +210,85 @@ def _router_replay(config) -> bool:
     return replay.get("mode", "disabled") != "disabled"
 
 
+def attach_reward_answer_spans(trainer, batch) -> None:
+    """Hand the workers the character span of the answer the reward graded, where the reward gave one.
+
+    verl's agent loop stores each output's ``reward_extra_info`` (the reward function's extra keys) in
+    its ``extra_fields``; a reward that returns ``answer_span`` (``"<marker_start>:<start>:<end>"``,
+    e.g. ``verl_oar.math_reward``) says which characters of the response it graded. This writes
+    ``ANSWER_SPAN_FIELD`` (bs, 3) int64 into TransferQueue: the parsed span, or -1 for outputs
+    without one, for synthetic padding rows, and for every output of a session but its final one
+    (the reward graded the final output's text). Nothing is written when no output has a span.
+    """
+    import torch
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    from verl_oar.answer_span import parse_answer_span
+    from verl_oar.trainer import real_rows, session_final_rows
+
+    if batch.fields is not None and "extra_fields" not in batch.fields:
+        return
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
+    extra = data["extra_fields"]
+    extra = extra.tolist() if hasattr(extra, "tolist") else list(extra)
+    real = real_rows(batch.tags)
+    final = session_final_rows(batch.keys)
+    spans = torch.full((len(batch), 3), -1, dtype=torch.long)
+    for row, fields in enumerate(extra):
+        if (real is not None and not bool(real[row])) or (final is not None and int(final[row]) != row):
+            continue
+        info = (fields or {}).get("reward_extra_info", None) if isinstance(fields, dict) else None
+        value = (info or {}).get(ANSWER_SPAN_KEY, None)
+        try:
+            span = parse_answer_span(value)
+        except ValueError as error:
+            raise ValueError(
+                f"the reward function returned {ANSWER_SPAN_KEY}={value!r}, which OAR cannot read: {error}. Return "
+                "verl_oar.answer_span.format_answer_span(span) (or '' for no answer), or drop the key to let "
+                "algorithm.oar.answer_locator find the answer."
+            ) from None
+        if span is not None:
+            spans[row] = torch.tensor([span.marker_start, span.start, span.end])
+    if not bool((spans[:, 0] >= 0).any()):
+        return
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                    fields=TensorDict({ANSWER_SPAN_FIELD: spans}, batch_size=len(batch)))
+    if batch.fields is not None and ANSWER_SPAN_FIELD not in batch.fields:
+        batch.fields = [*batch.fields, ANSWER_SPAN_FIELD]
+
+
+def report_importance(trainer, batch) -> dict[str, float]:
+    """Per-step metrics of the workers' pass: where each answer came from (``oar/answer/*``, over real
+    rows) and, for OAR-P, its cost (``oar/perturb/*``)."""
+    import torch
+    import transfer_queue as tq
+
+    from verl_oar.trainer import real_rows
+
+    fields = ["oar_answer_source"]
+    perturb = importance_method(trainer.config) == "perturbation"
+    if perturb:
+        fields += list(PERTURBATION_COST_FIELDS)
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    real = real_rows(batch.tags)
+    keep = torch.ones(len(batch), dtype=torch.bool) if real is None else real
+    source = data["oar_answer_source"].reshape(-1)[keep]
+    metrics = {f"oar/answer/frac_{name}": float((source == code).float().mean()) for code, name in ANSWER_SOURCES.items()}
+    if perturb:
+        copies, passes = data["oar_perturb_copies"].float()[keep], data["oar_perturb_passes"].float()[keep]
+        metrics.update({
+            "oar/perturb/copies_mean": float(copies.mean()),
+            "oar/perturb/copies_max": float(copies.max()),
+            "oar/perturb/cost_passes_mean": float(passes.mean()),
+            "oar/perturb/peak_call_tokens": float(data["oar_perturb_peak_tokens"].float()[keep].max()),
+        })
+    return metrics
+
+
 @register_token_signal(
-    "token_importance", fields=IMPORTANCE_FIELDS, validate=validate_importance_config, fuse=fuse_into_log_prob
+    "token_importance", fields=IMPORTANCE_FIELDS, validate=validate_importance_config, fuse=fuse_into_log_prob,
+    prepare=attach_reward_answer_spans, report=report_importance, guard=NoAnswerGuard.from_config,
 )
 def compute_token_importance(trainer, batch, metrics: dict) -> None:
     """Fill ``IMPORTANCE_FIELDS`` for every sample of ``batch`` (a TransferQueue KVBatchMeta)."""
@@ -214,19 +315,3 @@ def compute_token_importance(trainer, batch, metrics: dict) -> None:
             batch.extra_info.pop(key, None)
     if len(output) != len(batch):
         raise RuntimeError(f"compute_token_importance returned {len(output)} samples for a batch of {len(batch)}")
-    if extra["oar_method"] == "perturbation":
-        metrics.update(_perturbation_cost_metrics(batch))
-
-
-def _perturbation_cost_metrics(batch) -> dict[str, float]:
-    """``oar/perturb/*``: occluded copies per response and the cost in log-prob passes per response."""
-    import transfer_queue as tq
-
-    cost = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(PERTURBATION_COST_FIELDS))
-    copies, passes = cost["oar_perturb_copies"].float(), cost["oar_perturb_passes"].float()
-    return {
-        "oar/perturb/copies_mean": float(copies.mean()),
-        "oar/perturb/copies_max": float(copies.max()),
-        "oar/perturb/cost_passes_mean": float(passes.mean()),
-        "oar/perturb/peak_call_tokens": float(cost["oar_perturb_peak_tokens"].float().max()),
-    }

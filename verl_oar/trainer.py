@@ -115,22 +115,21 @@ def _oar_trainer_sync(base):
 
         def __init__(self, config, *args, **kwargs):
             self._token_signals = check_token_signals_supported(config, "sync")
+            self._guards = [p.guard(config) for p in self._token_signals if p.guard is not None]
             super().__init__(config, *args, **kwargs)
 
         def _init_resource_pool_mgr(self):
             super()._init_resource_pool_mgr()
-            if not self._token_signals:
-                return
-            import ray
-            from verl.workers.engine_workers import ActorRolloutRefWorker
+            if self._token_signals:
+                from verl_oar.worker import with_oar_worker
 
-            from verl_oar.worker import OARActorRolloutRefWorker
-
-            for role, remote_cls in list(self.role_worker_mapping.items()):
-                if getattr(remote_cls, "__ray_actor_class__", None) is ActorRolloutRefWorker:
-                    self.role_worker_mapping[role] = ray.remote(OARActorRolloutRefWorker)
+                ref_scores = (self.config.algorithm.get("oar", None) or {}).get("importance_model", "actor") == "ref"
+                with_oar_worker(self.role_worker_mapping, _estimator_name(self.config), ref_scores=ref_scores)
 
         def _compute_old_log_prob(self, batch, metrics):
+            for provider in self._token_signals:
+                if provider.prepare is not None:
+                    provider.prepare(self, batch)
             fused = {p.name for p in self._token_signals if p.fuse is not None and p.fuse(self, batch)}
             started = time.perf_counter()
             try:
@@ -148,6 +147,9 @@ def _oar_trainer_sync(base):
                 started = time.perf_counter()
                 provider.compute(self, batch, metrics)
                 metrics[f"oar/timing_s/{provider.name}"] = time.perf_counter() - started
+            for provider in self._token_signals:
+                if provider.report is not None:
+                    metrics.update(provider.report(self, batch))
             return batch
 
         def _compute_advantage(self, batch, metrics):
@@ -156,10 +158,15 @@ def _oar_trainer_sync(base):
             fields = [f for p in self._token_signals for f in p.fields]
             data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
             padded = data.to_padded_tensor()
-            signals = TokenSignals(tensors={f: padded[f] for f in fields}, step=int(self.global_steps))
+            signals = TokenSignals(
+                tensors={f: padded[f] for f in fields}, step=int(self.global_steps),
+                real_rows=real_rows(batch.tags), session_final=session_final_rows(batch.keys),
+            )
             with provide(signals):
                 batch = super()._compute_advantage(batch, metrics)
             metrics.update({f"oar/{k}": v for k, v in signals.metrics.items()})
+            for guard in self._guards:
+                metrics.update(guard.observe(int(self.global_steps), signals.metrics))
             dump_dir = self.config.algorithm.get("oar", {}).get("dump_dir", "")
             if dump_dir:
                 _dump(dump_dir, int(self.global_steps), list(batch.keys), signals)
@@ -170,6 +177,35 @@ def _oar_trainer_sync(base):
     return OARTrainerSync
 
 
+def real_rows(tags: list[dict]):
+    """(bs,) bool: False on the synthetic rows verl appends to make a batch divisible (tag ``is_padding``,
+    ``verl.trainer.ppo.padding_utils.upsample_batch_to_divisible_size``); None when there are none."""
+    import torch
+
+    padding = [bool((tag or {}).get("is_padding", False)) for tag in tags]
+    return torch.tensor([not p for p in padding]) if any(padding) else None
+
+
+def session_final_rows(keys: list[str]):
+    """(bs,) long: for each row, the row of its agent-loop session's final output, read from the
+    TransferQueue keys ``{uid}_{session_id}_{index}`` exactly as verl's v1 GRPO
+    (``compute_advantage_for_multi_trajectories``) reads them; None when every session has one output."""
+    import torch
+
+    final: dict[str, tuple[int, int]] = {}
+    sessions = []
+    for row, key in enumerate(keys):
+        parts = str(key).rsplit("_", 2)
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise RuntimeError(f"TransferQueue key {key!r} is not of verl's form {{uid}}_{{session_id}}_{{index}}")
+        session, index = f"{parts[0]}_{parts[1]}", int(parts[2])
+        sessions.append(session)
+        if session not in final or final[session][0] < index:
+            final[session] = (index, row)
+    rows = torch.tensor([final[s][1] for s in sessions], dtype=torch.long)
+    return None if bool((rows == torch.arange(len(keys))).all()) else rows
+
+
 def _dump(dump_dir: str, step: int, keys: list, signals) -> None:
     """Save a step's token-level tensors (``algorithm.oar.dump_dir``): padded (bs, response_len) each."""
     import os
@@ -178,5 +214,7 @@ def _dump(dump_dir: str, step: int, keys: list, signals) -> None:
 
     os.makedirs(dump_dir, exist_ok=True)
     payload = {"step": step, "keys": keys, **signals.tensors, **signals.artifacts}
+    if signals.real_rows is not None:
+        payload["real_rows"] = signals.real_rows
     torch.save({k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in payload.items()},
                os.path.join(dump_dir, f"step_{step}.pt"))

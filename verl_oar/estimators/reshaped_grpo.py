@@ -30,21 +30,17 @@ def reshaped_grpo_advantage(
         index: (bs,) group ids (verl's ``uid``): rollouts of one prompt share an id.
         config: verl's ``algorithm`` config; OAR reads ``algorithm.oar.*``.
 
+    The base advantage A_i is :func:`grpo_advantage` (grouped by each agent-loop session's final
+    output when a session has several outputs); metrics count real rows only (not verl's synthetic
+    padding rows).
+
     Returns:
         (advantages, returns), both (bs, response_len), 0 on padding.
     """
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
     signals = current_signals(estimator, response_mask)
     oar = OARConfig.from_algorithm(config)
     norm_by_std = bool((config or {}).get("norm_adv_by_std_in_grpo", True))
-    grpo_adv, _ = compute_grpo_outcome_advantage(
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        index=index,
-        epsilon=epsilon,
-        norm_adv_by_std_in_grpo=norm_by_std,
-    )
+    grpo_adv = grpo_advantage(token_level_rewards, response_mask, index, epsilon, norm_by_std, signals.session_final)
     mask = response_mask.bool()
     reasoning = signals["oar_reasoning_mask"].bool() & mask
     found = (signals["oar_answer_mask"].bool() & mask).any(dim=1)
@@ -52,13 +48,47 @@ def reshaped_grpo_advantage(
     advantages = reshape_advantages(grpo_adv, weights) * response_mask
     signals.metrics.update(
         reshape_stats(
-            weights, reasoning, mask, grpo_adv, advantages, oar.reshape_config(), importance=signals["oar_importance"]
+            weights, reasoning, mask, grpo_adv, advantages, oar.reshape_config(), importance=signals["oar_importance"],
+            rows=signals.real_rows,
         )
     )
     signals.artifacts.update(
         grpo_advantages=grpo_adv, advantages=advantages, weights=weights.weights, fallback=weights.fallback
     )
     return advantages, advantages
+
+
+def grpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float,
+    norm_adv_by_std_in_grpo: bool,
+    session_final: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GRPO's token advantages (bs, response_len), 0 on padding: verl's ``compute_grpo_outcome_advantage``.
+
+    With ``session_final`` ((bs,) long: the row of each row's agent-loop session's final output), the
+    groups are formed by the final outputs only and every output of a session gets its final output's
+    advantage on each of its response tokens, as verl's v1 trainer does for GRPO
+    (``compute_advantage_for_multi_trajectories``)."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    if session_final is None:
+        advantages, _ = compute_grpo_outcome_advantage(
+            token_level_rewards=token_level_rewards, response_mask=response_mask, index=index, epsilon=epsilon,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        )
+        return advantages
+    finals, local = torch.unique(session_final, sorted=True, return_inverse=True)
+    rows = finals.tolist()
+    final_adv, _ = compute_grpo_outcome_advantage(
+        token_level_rewards=token_level_rewards[rows], response_mask=response_mask[rows], index=np.asarray(index)[rows],
+        epsilon=epsilon, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+    )
+    first = response_mask[rows].argmax(dim=1)
+    scores = final_adv[torch.arange(len(rows)), first]                 # one scalar per session
+    return scores[local].unsqueeze(-1) * response_mask
 
 
 def register_reshaped_grpo(name: str):
