@@ -190,6 +190,12 @@ def test_cpu_copy_of_the_recipe_trains_through_its_own_launch_script(name, cpu_w
             continue
         assert all(k in data for k in OAR_KEYS), [k for k in OAR_KEYS if k not in data]
         assert data["oar/mass_error/max_abs"] < 1e-4
+        # the math reward returns the span it graded, and OAR grounds on exactly that span
+        sources = {k: data[f"oar/answer/frac_{k}"] for k in ("none", "locator", "reward", "reward_rejected")}
+        assert sources["reward"] > 0 and sources["locator"] == 0 and sources["reward_rejected"] == 0, sources
+        assert abs(sum(sources.values()) - 1.0) < 1e-9
+        assert data["oar/fallback/frac_no_answer"] == pytest.approx(sources["none"])
+        assert data["oar/fallback/no_answer_streak"] in (0.0, 1.0, 2.0)
         if estimator == "oar_g":
             assert data["oar/fused_log_prob"] == 1.0  # the recipe fuses importance into the log-prob pass
         else:
