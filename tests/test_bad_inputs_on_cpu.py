@@ -142,3 +142,31 @@ def test_oar_p_short_response_after_a_long_padded_prompt_keeps_its_own_tokens():
     assert torch.all(adv[1, 2:] == 0) and torch.allclose(adv[1, :2], adv[1, 0].expand(2)) and adv[1, 0] < 0
     assert not torch.allclose(adv[0, :6], adv[0, 0].expand(6))  # the long one is reshaped
     torch.testing.assert_close(adv[0].sum(), adv[0, 7] * length, rtol=1e-5, atol=1e-5)  # mass preserved
+
+
+def test_oar_p_without_a_neutral_token_asks_for_one():
+    from types import SimpleNamespace
+
+    from verl_oar.config import OARConfig
+    from verl_oar.engine_importance import neutral_token_id
+
+    bare = SimpleNamespace(pad_token_id=None, eos_token_id=None)
+    with pytest.raises(ValueError, match="Set algorithm.oar.perturb_token_id"):
+        neutral_token_id(OARConfig(), bare)
+    assert neutral_token_id(OARConfig(), SimpleNamespace(pad_token_id=None, eos_token_id=7)) == 7
+    assert neutral_token_id(OARConfig(perturb_token_id=3), bare) == 3
+
+
+def test_oar_p_refuses_multimodal_position_ids_with_the_fix(tokenizer):
+    """Multimodal rope gives each token several position ids; OAR-P's prefix cache assumes one."""
+    from verl_oar.engine_inputs import PREDICT, REASONING
+    from verl_oar.engine_perturbation import score_samples
+    from verl_oar.importance.perturbation import PerturbationConfig
+
+    ids = torch.arange(10)
+    data = TensorDict({"input_ids": _nested([ids]), "position_ids": _nested([torch.arange(30).reshape(10, 3)]),
+                       REASONING: _nested([torch.ones(10, dtype=torch.long)]),
+                       PREDICT: _nested([torch.ones(10, dtype=torch.long)])}, batch_size=[1])
+    data["temperature"] = torch.ones(1)
+    with pytest.raises(ValueError, match="1-D position ids.*multimodal rope.*adv_estimator=grpo"):
+        score_samples(None, data, PerturbationConfig(), 0, None, 1)

@@ -76,6 +76,8 @@ def test_a_different_function_under_an_oar_name_is_refused():
         (["+algorithm.oar.outcome=median"], "outcome"),
         (["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=false"], "reference model"),
         (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "ulysses"),
+        (["actor_rollout_ref.actor.strategy=fsdp", "trainer.n_gpus_per_node=8"],
+         r"FSDP1 .*needs one data-parallel rank, but this run has 8.*strategy=fsdp2"),
     ],
 )
 def test_startup_checks_name_cause_and_fix(overrides, match):
