@@ -199,6 +199,12 @@ def main(argv: Sequence[str] | None = None, *, spec: TestbedSpec | None = None) 
     args = parse_args(argv)
     if spec is not None:
         args.spec = spec
+    from verl_oar.heatmap_render import MissingMatplotlib, require_matplotlib
+
+    try:  # the report needs it at the end: say so now, not after the training runs
+        require_matplotlib("the demo's report figures")
+    except MissingMatplotlib as error:
+        raise SystemExit(f"verl_oar.testbed.demo: {error}") from None
     from verl_oar.testbed.quality import run_quality
     from verl_oar.testbed.report import write_report
 

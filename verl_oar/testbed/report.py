@@ -257,5 +257,11 @@ direct {_fmt(s['mean_direct_tokens'], 1)}, chain {_fmt(s['mean_chain_tokens'], 1
 
 
 if __name__ == "__main__":
+    from verl_oar.heatmap_render import MissingMatplotlib, require_matplotlib
+
+    try:
+        require_matplotlib("the report's figures")
+    except MissingMatplotlib as error:
+        raise SystemExit(f"verl_oar.testbed.report: {error}") from None
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "oar_demo")
     print(write_report(folder, json.loads((folder / "summary.json").read_text())))
