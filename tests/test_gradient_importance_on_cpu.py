@@ -161,13 +161,22 @@ def test_loglik_grad_norm_equals_reference_gradient_checked_by_directional_diffe
                 assert (grads[row][t] @ u).item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
 
 
+def scaled_noise(draws, embeds, cfg):
+    """The reference's noise: sigma * z (absolute) or sigma * rms(e_t) * z (relative), per token."""
+    scale = cfg.noise_std * (embeds.pow(2).mean(-1, keepdim=True).sqrt() if cfg.noise_relative else 1.0)
+    return draws * scale
+
+
 @pytest.mark.parametrize("outcome", ["single", "mean", "joint"])
 @pytest.mark.parametrize("saliency_kind", ["grad_x_input", "grad_norm"])
-def test_noisy_kl_equals_per_sequence_loop(model, outcome, saliency_kind):
+@pytest.mark.parametrize("relative, std", [(False, 1e-3), (True, 0.2)], ids=["absolute", "relative"])
+def test_noisy_kl_equals_per_sequence_loop(model, outcome, saliency_kind, relative, std):
     b = make_batch(model, seed=3, lengths=[12, 8, 10])
-    cfg = GradientConfig(outcome=outcome, objective="noisy_kl", saliency=saliency_kind, noise_std=1e-3)
+    cfg = GradientConfig(outcome=outcome, objective="noisy_kl", saliency=saliency_kind, noise_std=std,
+                         noise_relative=relative)
     importance = run(model, b, cfg, generator=torch.Generator().manual_seed(7))
-    noise = torch.randn(b["embeds"].shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 1e-3
+    draws = torch.randn(b["embeds"].shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    noise = scaled_noise(draws, b["embeds"], cfg)
     noise_rows = [noise[row, :length] for row, length in enumerate(b["lengths"])]
     expected = saliency(reference_gradients(model, b, cfg, noise=noise_rows), b, cfg)
     assert importance.dtype == torch.float32
@@ -222,8 +231,9 @@ def test_packed_layout_matches_per_sequence_reference(model, outcome):
     importance = gradient_importance(packed_logits, packed["embeds"], packed["reasoning"], packed["predict"],
                                      packed["targets"], packed["segment"], len(lengths), cfg,
                                      generator=torch.Generator().manual_seed(3))
-    noise = torch.randn(packed["embeds"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    noise_rows = [1e-3 * noise[0, cu[i]:cu[i + 1]] for i in range(len(lengths))]
+    draws = torch.randn(packed["embeds"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    noise = scaled_noise(draws, packed["embeds"], cfg)
+    noise_rows = [noise[0, cu[i]:cu[i + 1]] for i in range(len(lengths))]
     expected = saliency(reference_gradients(model, b, cfg, noise=noise_rows), b, cfg)
     for row, length in enumerate(lengths):
         torch.testing.assert_close(importance[0, cu[row]:cu[row + 1]].double(), expected[row, :length],
@@ -454,7 +464,7 @@ def test_relative_noise_is_scaled_by_each_tokens_embedding_rms():
     draws = torch.randn(2, 5, 8, generator=g)
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 2] = False
-    absolute = embedding_noise(base, draws, mask, GradientConfig(noise_std=0.05))
+    absolute = embedding_noise(base, draws, mask, GradientConfig(noise_std=0.05, noise_relative=False))
     relative = embedding_noise(base, draws, mask, GradientConfig(noise_std=0.05, noise_relative=True))
     rms = base.pow(2).mean(-1, keepdim=True).sqrt()
     torch.testing.assert_close(absolute, torch.where(mask[..., None], 0.05 * draws, 0.0))

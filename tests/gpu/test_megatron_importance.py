@@ -11,7 +11,7 @@ builds). What it checks, with THD packing (``use_remove_padding=True``) and BSHD
   plain transformers per sequence -- the FSDP test's reference -- run in fp32 on the engine's
   bf16-rounded weights: the engine is bf16 (verl's Megatron engine has no fp32 mode), so the
   comparison is loose (relative error and cosine), strict enough to catch a token, shard or
-  vocabulary mapping error. ``noisy_kl`` uses noise_std=0.05 so that the noise is not bf16 rounding;
+  vocabulary mapping error. ``noisy_kl`` uses an absolute noise_std=0.05 so that the noise is not bf16 rounding;
 * the fused old-log-prob pass: verl's own log-probs and entropy unchanged, same importance;
 * OAR-P (AS-JOINT, 3 chunks) against the naive per-copy loop on plain transformers;
 * parameters, their ``main_grad`` (filled with a marker first, as mid-step), ``.grad`` and
@@ -213,8 +213,8 @@ def main(out_dir: str) -> None:
 
         settings = [
             ("loglik", dict(objective="loglik"), {}),
-            ("noisy_kl", dict(objective="noisy_kl", noise_std=0.05), {}),
-            ("noisy_kl_dynamic", dict(objective="noisy_kl", noise_std=0.05),
+            ("noisy_kl", dict(objective="noisy_kl", noise_std=0.05, noise_relative=False), {}),
+            ("noisy_kl_dynamic", dict(objective="noisy_kl", noise_std=0.05, noise_relative=False),
              dict(use_dynamic_bsz=True, max_token_len_per_gpu=96)),
         ]
         separate = {}
@@ -233,7 +233,7 @@ def main(out_dir: str) -> None:
                  row_lengths=[len(g) for g in got], flat=torch.cat(got).tolist())
 
         # the fused path: verl's old-log-prob pass that also yields importance
-        oar = dict(objective="noisy_kl", noise_std=0.05, saliency="grad_x_input", outcome="mean")
+        oar = dict(objective="noisy_kl", noise_std=0.05, noise_relative=False, saliency="grad_x_input", outcome="mean")
         plain_data, _, _ = base.make_batch(tokenizer, oar, step)
         fused_data, _, _ = base.make_batch(tokenizer, oar, step)
         for d in (plain_data, fused_data):
