@@ -202,8 +202,8 @@ def zero_noise_importance(worker, tokenizer, step: int) -> float:
     clean and the noisy outcome are then the same computation, so J and dJ/de must be exactly 0."""
     from verl_oar import engine_gradient
 
-    real = engine_gradient.sequence_noise
-    engine_gradient.sequence_noise = lambda *a, **k: [torch.zeros_like(r) for r in real(*a, **k)]
+    real = engine_gradient.layout_noise
+    engine_gradient.layout_noise = lambda *a, **k: torch.zeros_like(real(*a, **k))
     try:
         oar = dict(objective="noisy_kl", saliency="grad_norm", outcome="mean")
         data, _, _ = make_batch(tokenizer, oar, step)
@@ -213,7 +213,7 @@ def zero_noise_importance(worker, tokenizer, step: int) -> float:
         tu.assign_non_tensor(fused_data, calculate_entropy=True, compute_loss=False, oar_fused=True)
         fused = worker.compute_log_prob(fused_data)
     finally:
-        engine_gradient.sequence_noise = real
+        engine_gradient.layout_noise = real
     return max(float(output["oar_importance"].values().abs().max()), float(fused["oar_importance"].values().abs().max()))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_oar.importance.noise import sequence_noise, sequence_seed
+from verl_oar.importance.noise import layout_noise, sequence_noise, sequence_seed
 
 
 def _sequences():
@@ -47,3 +47,21 @@ def test_no_mask_draws_every_position_and_float64_is_supported():
     assert torch.equal(full, torch.randn(len(ids[0]), 4, generator=g, dtype=torch.float64))
     empty = sequence_noise(ids[:1], 4, seed=0, step=0, where=[torch.zeros(len(ids[0]), dtype=torch.bool)])[0]
     assert (empty == 0).all()
+
+
+def test_layout_noise_equals_the_rows_laid_out_packed_or_padded():
+    ids, masks = _sequences()
+    masks[1] = torch.tensor([0, 1, 0, 1, 1, 0, 1], dtype=torch.bool)       # holes (multi-turn): scattered
+    rows = sequence_noise(ids, 6, seed=2, step=3, where=masks)
+    packed_mask = torch.cat(masks)[None]
+    packed = layout_noise(ids, masks, packed_mask, 6, seed=2, step=3)
+    assert torch.equal(packed[0], torch.cat(rows))
+    padded_mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
+    padded = layout_noise(ids, masks, padded_mask, 6, seed=2, step=3)
+    assert torch.equal(padded, torch.nn.utils.rnn.pad_sequence(rows, batch_first=True))
+    try:
+        layout_noise(ids, masks, padded_mask[:1], 6, seed=2, step=3)
+    except ValueError as error:
+        assert "positions" in str(error)
+    else:
+        raise AssertionError("a layout that does not hold the masked positions must be refused")

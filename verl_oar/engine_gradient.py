@@ -23,7 +23,7 @@ from verl_oar.config import OARConfig
 from verl_oar.engine_inputs import PREDICT, REASONING, autocast_context, nested
 from verl_oar.importance.gradient import gradient_importance_in_forward
 from verl_oar.importance.hf_prefix import OutcomeHead
-from verl_oar.importance.noise import sequence_noise
+from verl_oar.importance.noise import layout_noise
 
 
 def _layout(micro_batch: TensorDict, output_args: dict, use_remove_padding: bool):
@@ -93,9 +93,8 @@ def gradient_micro_batch(
     noise = None
     if cfg.objective == "noisy_kl":
         hidden = engine.model_config.hf_config.hidden_size
-        rows = sequence_noise(micro_batch["input_ids"].unbind(), hidden, cfg.seed, step,
-                              where=micro_batch[REASONING].unbind(), device=reasoning.device)
-        noise = to_layout(rows, 0.0)
+        noise = layout_noise(micro_batch["input_ids"].unbind(), micro_batch[REASONING].unbind(), reasoning,
+                             hidden, cfg.seed, step)
     temp = _temperatures(micro_batch, segment, predict)
     head = OutcomeHead(engine.module, predict, temp, autocast_context(engine))
     outputs: dict = {}

@@ -71,3 +71,50 @@ def sequence_noise(
             row[positions] = torch.randn(count, hidden_size, generator=generator, device=dev, dtype=dtype)
         out.append(row)
     return out
+
+
+def layout_noise(
+    sequences: Sequence[Tensor],
+    where: Sequence[Tensor],
+    layout_mask: Tensor,
+    hidden_size: int,
+    seed: int,
+    step: int,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """The draws of :func:`sequence_noise`, placed straight into a batch layout (no per-sequence rows).
+
+    Args:
+        sequences, where: as in :func:`sequence_noise` (``where`` required).
+        layout_mask: (rows, cols) bool, the same positions as ``where`` in the layout the model is fed
+            (packed (1, total) or padded (B, T)), with the sequences in order: its row-major order lists
+            sequence 0's masked positions first, in position order, then sequence 1's, and so on.
+        hidden_size, seed, step, dtype: as in :func:`sequence_noise`.
+
+    Returns:
+        (rows, cols, H) on ``layout_mask``'s device: each sequence's draws at its masked positions,
+        0 elsewhere. Equal to laying out :func:`sequence_noise`'s rows, with one buffer and one copy.
+    """
+    device = layout_mask.device
+    out = torch.zeros(*layout_mask.shape, hidden_size, device=device, dtype=dtype)
+    flat = out.view(-1, hidden_size)
+    positions = layout_mask.reshape(-1).nonzero().squeeze(1).cpu()   # row-major: sequence by sequence
+    cursor = 0
+    for ids, mask in zip(sequences, where, strict=True):
+        count = int(mask.sum())
+        if not count:
+            continue
+        if cursor + count > positions.numel():
+            raise ValueError(f"layout_mask has {positions.numel()} positions, fewer than the sequences' masks")
+        first, last = int(positions[cursor]), int(positions[cursor + count - 1])
+        generator = torch.Generator(device=device).manual_seed(sequence_seed(ids, seed, step))
+        if last - first + 1 == count:   # contiguous (the usual reasoning span): drawn in place, no copy
+            torch.randn(count, hidden_size, generator=generator, device=device, dtype=dtype, out=flat[first : last + 1])
+        else:
+            flat[positions[cursor : cursor + count].to(device)] = torch.randn(
+                count, hidden_size, generator=generator, device=device, dtype=dtype
+            )
+        cursor += count
+    if cursor != positions.numel():
+        raise ValueError(f"layout_mask has {positions.numel()} positions but the sequences' masks have {cursor}")
+    return out
