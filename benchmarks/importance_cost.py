@@ -6,8 +6,13 @@
 The defaults take 6-7 minutes on 2 idle CPU cores (``--no-oar-p``: the OAR-G table alone, about 1).
 
 Every row is timed in this process on the same random tiny Qwen2 (fp32, CPU, sdpa) and batch, and
-reported as the median over ``--repeats`` runs divided by the median of the log-prob pass (a no-grad
-forward that computes every token's log-probability, as verl's old-log-prob step does). Rows:
+reported as the median over ``--repeats`` runs divided by the median of the log-prob pass. That pass is
+**re-implemented here** on the plain transformers model (a no-grad forward that computes every token's
+log-probability, what verl's old-log-prob step computes), not verl's engine pass (FSDP2, its
+micro-batching and post-processing); the two ``fused`` rows below re-implement the worker's fused pass
+the same way. The importance rows call the package's own functions (``gradient_importance``,
+``perturbation_importance``). Through verl's real engine, the fused pass's log-probs are checked
+bit-identical to verl's own (tests/test_engine_importance_on_cpu.py), not timed. Rows:
 
 - ``reference structure``: the public OAR code's structure -- a per-sample loop, a clean and a
   noisy pass, ``J.backward()`` into the weights (grads zeroed afterwards);
