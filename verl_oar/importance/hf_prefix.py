@@ -83,8 +83,9 @@ class OutcomeHead:
     """The outcome logits of a transformers causal LM, computed the same way in every OAR-G pass.
 
     ``run`` calls the model exactly as verl's ``forward_step`` does (``module(**inputs, use_cache=False)``
-    under the engine's autocast), capturing the decoder's final hidden states h with a forward hook,
-    and returns ``lm_head(h[predict])`` (float32, divided by the temperature). The clean and the noisy
+    under the engine's autocast) and, in a forward hook on its decoder (inside the model's forward,
+    where FSDP has the output layer's parameters gathered), computes ``lm_head(h[predict])`` from the
+    decoder's final hidden states h; returned as float32, divided by the temperature. The clean and the noisy
     pass therefore share the selection and the kernel of the outcome logits: with zero noise they are
     bit-identical whatever else differs between the two calls (full logits for verl's log-probs in
     the fused pass, ``logits_to_keep=1`` otherwise so the model skips its (T x V) output layer).
@@ -136,15 +137,20 @@ class OutcomeHead:
         otherwise the model computes logits at one position only (when it takes ``logits_to_keep``).
         """
         captured: dict[str, Tensor] = {}
-        hooks = [self.decoder.register_forward_hook(lambda _m, _i, out: captured.__setitem__("h", _final_hidden(out)))]
+
+        def outcome(_module, _inputs, out) -> None:
+            # inside the model's forward: the output layer's parameters are gathered there (FSDP)
+            captured["logits"] = self.logits(_final_hidden(out)[self.predict])
+
+        hooks = [self.decoder.register_forward_hook(outcome)]
         if transform is not None:
             hooks.append(self.embedding.register_forward_hook(lambda _m, _i, out: transform(out)))
         try:
             with self.autocast:
                 raw = self.module(**model_inputs, use_cache=False, **({} if full_logits else self.slim))
-                if "h" not in captured:
-                    raise RuntimeError(f"{type(self.decoder).__name__} was not called by the model's forward")
-                logits = self.logits(captured.pop("h")[self.predict])
+            if "logits" not in captured:
+                raise RuntimeError(f"{type(self.decoder).__name__} was not called by the model's forward")
+            logits = captured.pop("logits")
         finally:
             for hook in hooks:
                 hook.remove()
