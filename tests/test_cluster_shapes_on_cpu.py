@@ -15,7 +15,7 @@ from verl_oar.engine_inputs import ANSWER_SPAN, add_outcome_masks
 from verl_oar.estimators.oar_g import compute_oar_g_advantage
 from verl_oar.fallback_guard import NoAnswerError, NoAnswerGuard
 from verl_oar.signals import TokenSignals, provide
-from verl_oar.trainer import real_rows, session_final_rows
+from verl_oar.signals import real_rows, session_final_rows
 
 
 def _nested(rows):

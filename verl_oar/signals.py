@@ -173,3 +173,28 @@ def current_signals(estimator: str, response_mask: torch.Tensor) -> TokenSignals
                 f"response shape {tuple(response_mask.shape)}; rows or padding do not line up."
             )
     return signals
+
+
+def real_rows(tags: list[dict]):
+    """(bs,) bool: False on the synthetic rows verl appends to make a batch divisible (tag ``is_padding``,
+    ``verl.trainer.ppo.padding_utils.upsample_batch_to_divisible_size``); None when there are none."""
+    padding = [bool((tag or {}).get("is_padding", False)) for tag in tags]
+    return torch.tensor([not p for p in padding]) if any(padding) else None
+
+
+def session_final_rows(keys: list[str]):
+    """(bs,) long: for each row, the row of its agent-loop session's final output, read from the
+    TransferQueue keys ``{uid}_{session_id}_{index}`` exactly as verl's v1 GRPO
+    (``compute_advantage_for_multi_trajectories``) reads them; None when every session has one output."""
+    final: dict[str, tuple[int, int]] = {}
+    sessions = []
+    for row, key in enumerate(keys):
+        parts = str(key).rsplit("_", 2)
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise RuntimeError(f"TransferQueue key {key!r} is not of verl's form {{uid}}_{{session_id}}_{{index}}")
+        session, index = f"{parts[0]}_{parts[1]}", int(parts[2])
+        sessions.append(session)
+        if session not in final or final[session][0] < index:
+            final[session] = (index, row)
+    rows = torch.tensor([final[s][1] for s in sessions], dtype=torch.long)
+    return None if bool((rows == torch.arange(len(keys))).all()) else rows

@@ -225,7 +225,7 @@ def attach_reward_answer_spans(trainer, batch) -> None:
     from tensordict import TensorDict
 
     from verl_oar.answer_span import parse_answer_span
-    from verl_oar.trainer import real_rows, session_final_rows
+    from verl_oar.signals import real_rows, session_final_rows
 
     if batch.fields is not None and "extra_fields" not in batch.fields:
         return
@@ -264,7 +264,7 @@ def report_importance(trainer, batch) -> dict[str, float]:
     import torch
     import transfer_queue as tq
 
-    from verl_oar.trainer import real_rows
+    from verl_oar.signals import real_rows
 
     fields = ["oar_answer_source"]
     perturb = importance_method(trainer.config) == "perturbation"

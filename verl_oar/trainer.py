@@ -106,7 +106,7 @@ def _oar_trainer_sync(base):
     """Build ``OARTrainerSync`` over verl's ``PPOTrainerSync`` (imported lazily: it is heavy)."""
     import transfer_queue as tq
 
-    from verl_oar.signals import TokenSignals, provide
+    from verl_oar.signals import TokenSignals, provide, real_rows, session_final_rows
 
     class OARTrainerSync(base):
         """verl's sync trainer, plus token signals for estimators that declare them."""
@@ -175,35 +175,6 @@ def _oar_trainer_sync(base):
     OARTrainerSync.__module__ = __name__
     _CLASSES["sync"] = OARTrainerSync
     return OARTrainerSync
-
-
-def real_rows(tags: list[dict]):
-    """(bs,) bool: False on the synthetic rows verl appends to make a batch divisible (tag ``is_padding``,
-    ``verl.trainer.ppo.padding_utils.upsample_batch_to_divisible_size``); None when there are none."""
-    import torch
-
-    padding = [bool((tag or {}).get("is_padding", False)) for tag in tags]
-    return torch.tensor([not p for p in padding]) if any(padding) else None
-
-
-def session_final_rows(keys: list[str]):
-    """(bs,) long: for each row, the row of its agent-loop session's final output, read from the
-    TransferQueue keys ``{uid}_{session_id}_{index}`` exactly as verl's v1 GRPO
-    (``compute_advantage_for_multi_trajectories``) reads them; None when every session has one output."""
-    import torch
-
-    final: dict[str, tuple[int, int]] = {}
-    sessions = []
-    for row, key in enumerate(keys):
-        parts = str(key).rsplit("_", 2)
-        if len(parts) != 3 or not parts[2].isdigit():
-            raise RuntimeError(f"TransferQueue key {key!r} is not of verl's form {{uid}}_{{session_id}}_{{index}}")
-        session, index = f"{parts[0]}_{parts[1]}", int(parts[2])
-        sessions.append(session)
-        if session not in final or final[session][0] < index:
-            final[session] = (index, row)
-    rows = torch.tensor([final[s][1] for s in sessions], dtype=torch.long)
-    return None if bool((rows == torch.arange(len(keys))).all()) else rows
 
 
 def _dump(dump_dir: str, step: int, keys: list, signals) -> None:
