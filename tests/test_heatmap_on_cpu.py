@@ -209,6 +209,8 @@ def rollouts_jsonl(tmp_path):
          r"--rows 5: out of range, .* has 1 rows \(0..0\)"),
         (["--prompt", PROMPT, "--response", "3 ok +7=10 so the sum is 10"], "no final answer found"),
         (["--prompt", PROMPT, "--response", RESPONSE, "--estimators", "oar_x"], "choose from oar_g, oar_p"),
+        (["--prompt", PROMPT, "--response", RESPONSE, "--answer-locator", "pkg://no_such_module_xyz.f"],
+         "no_such_module_xyz"),
     ],
 )
 def test_bad_input(model_dir, rollouts_jsonl, capsys, args, message):
@@ -243,3 +245,20 @@ def test_html_block_escapes():
     assert "⏎" in block and block.count("■") == n
     with pytest.raises(ValueError, match="2 values for"):
         html_block(TOKENS, [("short", [1.0, 2.0])], [], "")
+
+
+def test_answer_locator_is_the_runs(model_dir, tmp_path):
+    """A response the built-in cannot read is scored with the run's own locator (--answer-locator)."""
+    locator = tmp_path / "my_locator.py"
+    locator.write_text(
+        "from verl_oar.answer_span import AnswerSpan\n"
+        "def locate(text):\n"
+        "    at = text.rfind('RESULT ')\n"
+        "    return None if at < 0 else AnswerSpan(at, at + 7, len(text))\n"
+    )
+    response = "3 ok +7=10 so RESULT 10"
+    report = main(["--model", str(model_dir), "--device", "cpu", "--out", str(tmp_path / "out"), "--prompt", PROMPT,
+                   "--response", response, "--estimators", "oar_g", "--answer-locator", f"{locator}:locate"])
+    row = report["rows"][0]
+    tokens = row["tokens"]
+    assert "".join(t for t, a in zip(tokens, row["answer"]) if a) == "10"

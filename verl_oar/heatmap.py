@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from verl_oar.answer_locator import load_answer_locator
 from verl_oar.answer_span import decode_with_offsets, line_break_tokens, locate_answer_tokens
 from verl_oar.config import OARConfig
 from verl_oar.importance.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
@@ -202,17 +203,19 @@ class Sample:
         return reasoning, predict
 
 
-def make_sample(row: int, prompt: Any, response: Any, tokenizer, chat_template: bool) -> Sample:
-    """Tokenise one (prompt, response) and locate its answer; :class:`HeatmapInputError` if it has none."""
+def make_sample(row: int, prompt: Any, response: Any, tokenizer, chat_template: bool, locator=None) -> Sample:
+    """Tokenise one (prompt, response) and locate its answer (``locator``: training's
+    ``algorithm.oar.answer_locator``, default the built-in); :class:`HeatmapInputError` if it has none."""
     if not isinstance(response, str) or not response:
         raise HeatmapInputError(f"the response is {response!r}, not a non-empty string")
     prompt_text, prompt_ids, templated = prompt_token_ids(tokenizer, prompt, chat_template)
     response_ids = tokenizer.encode(response, add_special_tokens=False)
-    located = locate_answer_tokens(response_ids, tokenizer)
+    located = locate_answer_tokens(response_ids, tokenizer, locator)
     if located is None:
         raise HeatmapInputError(
-            "no final answer found in the response (no \\boxed{...}, '####' or 'The answer is'); OAR has "
-            "nothing to ground importance on and training keeps GRPO's credit for it"
+            "no final answer found in the response (no \\boxed{...}, 'Answer:' / 'Final Answer' line, '####' or "
+            "'The answer is'; or none from --answer-locator); OAR has nothing to ground importance on and "
+            "training keeps GRPO's credit for it"
         )
     reasoning, answer = located
     sample = Sample(row, prompt_text, response, prompt_ids, response_ids, reasoning, answer, templated)
@@ -344,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     method.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (logits are divided by it)")
     method.add_argument("--seed", type=int, default=0, help="seed of OAR-G's embedding noise")
     method.add_argument("--oracle", choices=("chain_sum",), help="also draw the chain_sum testbed's oracle masks")
+    method.add_argument("--answer-locator", default="", metavar="SPEC",
+                        help="the run's algorithm.oar.answer_locator (pkg://module.function or file.py:function); "
+                             "default: the built-in")
     run = parser.add_argument_group("output and hardware")
     run.add_argument("--out", default="oar_heatmap", help="output directory")
     run.add_argument("--wrap", type=int, default=48, help="tokens per line in the figures")
@@ -470,10 +476,14 @@ def run(args) -> dict:
     items, chat_template = _inputs(args)  # file, keys and rows are checked before any model is loaded
     tokenizer = _load_tokenizer(args.model)
     neutral = neutral_id(tokenizer, args.neutral) if "oar_p" in estimators else None
+    try:
+        locator = load_answer_locator(args.answer_locator)
+    except ValueError as err:
+        raise HeatmapInputError(str(err)) from None
     samples, skipped = [], []
     for row, prompt, response in items:
         try:
-            samples.append(make_sample(row, prompt, response, tokenizer, chat_template))
+            samples.append(make_sample(row, prompt, response, tokenizer, chat_template, locator))
         except HeatmapInputError as err:
             skipped.append({"row": row, "reason": str(err)})
             print(f"verl_oar.heatmap: row {row} skipped: {err}", file=sys.stderr)
