@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_oar.importance.gradient import GradientConfig, gradient_importance_in_forward  # noqa: E402
-from verl_oar.importance.hf_prefix import HFPrefixModel  # noqa: E402
-from verl_oar.importance.perturbation import (  # noqa: E402
+from verl_oar.core.gradient import GradientConfig, gradient_importance_in_forward  # noqa: E402
+from verl_oar.core.hf import HFPrefixModel  # noqa: E402
+from verl_oar.core.perturbation import (  # noqa: E402
     PerturbationConfig,
     naive_perturbation_importance,
     occlusion_spans,
@@ -98,7 +98,7 @@ def logprob_pass(model, ids):
 
 
 def oar_g(model, ids, reasoning, predict, targets, segment, objective: str, fused: bool = True):
-    """OAR-G as engine_gradient runs it: an embedding hook, logits only where they predict the answer."""
+    """OAR-G as engines.fsdp.gradient runs it: an embedding hook, logits only where they predict the answer."""
     cfg = GradientConfig(objective=objective, outcome="mean")
     embedding = model.get_input_embeddings()
     keep_cols = predict.any(dim=0).nonzero().squeeze(1)

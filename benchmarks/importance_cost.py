@@ -12,7 +12,7 @@ log-probability, what verl's old-log-prob step computes), not verl's engine pass
 micro-batching and post-processing); the two ``fused`` rows below re-implement the worker's fused pass
 the same way. The importance rows call the package's own functions (``gradient_importance``,
 ``perturbation_importance``). Through verl's real engine, the fused pass's log-probs are checked
-bit-identical to verl's own (tests/test_engine_importance_on_cpu.py), not timed. Rows:
+bit-identical to verl's own (tests/engine/test_engine_importance_on_cpu.py), not timed. Rows:
 
 - ``reference structure``: the public OAR code's structure -- a per-sample loop, a clean and a
   noisy pass, ``J.backward()`` into the weights (grads zeroed afterwards);
@@ -29,7 +29,7 @@ old-log-prob step, so their extra cost over plain GRPO is the fused total minus 
 
 Answers are the last 8 tokens of each response; reasoning is everything before them.
 
-OAR-P (``verl_oar.importance.perturbation``, occlusion by the neutral id 0, AS-MEAN) scores one
+OAR-P (``verl_oar.core.perturbation``, occlusion by the neutral id 0, AS-MEAN) scores one
 sequence at a time, so its rows loop over the batch's sequences (the same batch as the OAR-G rows).
 Per size, the OAR-P rows, the log-prob pass (batched, and one sequence at a time) and ``noisy_kl
 (ours)`` (these three 3 times a round) are timed again together in ``--p-repeats`` round-robin rounds
@@ -75,16 +75,16 @@ from functools import partial
 
 import torch
 
-from verl_oar.importance.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
-from verl_oar.importance.hf_prefix import HFPrefixModel
-from verl_oar.importance.perturbation import (
+from verl_oar.core.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
+from verl_oar.core.hf import HFPrefixModel
+from verl_oar.core.perturbation import (
     PerturbationConfig,
     PerturbationCost,
     naive_perturbation_importance,
     occlusion_spans,
     perturbation_importance,
 )
-from verl_oar.outcome import answer_log_likelihood
+from verl_oar.core.outcome import answer_log_likelihood
 
 
 def build_model(vocab: int, hidden: int, layers: int):

@@ -9,7 +9,7 @@ sequences per rank per step: 8 prompts x n=8 per GPU at batch 128 over 8 GPUs, i
 - before (the previous implementation, reproduced here as the baseline, since the package no longer
   has it): per sequence, a CPU generator draws standard normals for every position of the whole
   sequence (prompt included), (L, H) float32, then copies them to the model's device;
-- after (``verl_oar.importance.noise.layout_noise``, what the FSDP workers run): per sequence, a
+- after (``verl_oar.core.noise.layout_noise``, what the FSDP workers run): per sequence, a
   generator on the model's device draws only the reasoning positions, (R, H), placed straight into
   the packed (1, total, H) layout of the model's input on that device.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from verl_oar.importance.noise import layout_noise, sequence_seed
+from verl_oar.core.noise import layout_noise, sequence_seed
 
 SHAPES = {"qwen2_5_math_1_5b": 1536, "qwen2_5_math_7b": 3584}
 """recipe -> hidden size"""

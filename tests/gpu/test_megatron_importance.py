@@ -18,7 +18,7 @@ builds). What it checks, with THD packing (``use_remove_padding=True``) and BSHD
   ``requires_grad`` are left exactly as found;
 * THD and BSHD agree.
 Tensor / sequence parallelism > 1 needs several GPUs and is not covered here (the CPU test
-``tests/test_megatron_engine_on_cpu.py`` runs the same code on a simulated TP = 2 group).
+``tests/engine/test_megatron_engine_on_cpu.py`` runs the same code on a simulated TP = 2 group).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
+TESTS = os.path.join(os.path.dirname(HERE), "engine")   # the engine check scripts this test reuses
 
 
 def _has(module: str) -> bool:
@@ -118,7 +118,7 @@ def _free_port() -> int:
 def build_megatron_worker(model_dir: str, use_remove_padding: bool):
     from _verl_config import compose_ppo_config
 
-    from verl_oar.worker import OARActorRolloutRefWorker
+    from verl_oar.integration.worker import OARActorRolloutRefWorker
 
     megatron = "actor_rollout_ref.actor.megatron"
     bridge = [] if _has("megatron.bridge") else [f"{megatron}.vanilla_mbridge=True"]

@@ -3,7 +3,7 @@
 CPU mode extends verl through its registries wherever verl has one (``PlatformRegistry``,
 ``EngineRegistry``, ``RolloutReplicaRegistry``); this module holds what no public extension point
 covers. Each patch names the verl function it replaces, says why, and fails loudly, naming the
-function, when verl no longer has it. ``tests/test_cpu_mode_on_cpu.py`` checks that each still applies.
+function, when verl no longer has it. ``tests/engine/test_cpu_mode_on_cpu.py`` checks that each still applies.
 
 1. ``verl.utils.distributed.initialize_global_process_group_ray``: verl builds the backend string
    ``f"cpu:gloo,{device}:{backend}"``, which on the cpu platform is ``"cpu:gloo,cpu:gloo"``, and

@@ -4,7 +4,7 @@
 
     model/        tokenizer (byte-level BPE, ChatML template) + tiny Qwen2 (fp32) + generation config
     data/train.parquet, data/val.parquet    arithmetic prompts in verl's RL format
-    reward.py     the reward function (a copy of ``verl_oar/cpu/tiny_reward.py``)
+    reward.py     the reward function (a copy of ``verl_oar/rewards/tiny_reward.py``)
     workspace.json  what was built, with which settings, and the warm-start statistics
 
 Nothing is downloaded. Building again into the same directory with the same settings reuses it
@@ -84,7 +84,7 @@ class WorkspaceSpec:
     warm_start_lr: float = 3e-3
 
     def fingerprint(self) -> str:
-        reward_src = (Path(__file__).with_name("tiny_reward.py")).read_bytes()
+        reward_src = (Path(__file__).parents[1] / "rewards" / "tiny_reward.py").read_bytes()
         payload = json.dumps({"spec": asdict(self), "version": WORKSPACE_VERSION}, sort_keys=True).encode()
         return hashlib.sha256(payload + reward_src).hexdigest()[:16]
 
@@ -126,7 +126,7 @@ def build_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from verl_oar.answer_span import bytes_to_unicode
+    from verl_oar.core.answer_span import bytes_to_unicode
 
     byte_chars = bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
@@ -285,7 +285,7 @@ def sample_statistics(model, tokenizer, pairs: list[tuple[int, int]], *, max_new
     """
     import torch
 
-    from verl_oar.cpu.tiny_reward import compute_score, last_boxed_content
+    from verl_oar.rewards.tiny_reward import compute_score, last_boxed_content
 
     torch.manual_seed(seed)
     boxed, correct, lengths, example = 0, 0, [], None
@@ -382,7 +382,7 @@ def build_workspace(
         train_pairs, val_pairs = _split_pairs(spec)
         _write_parquet(_rl_rows(train_pairs, "train"), root / "data" / "train.parquet")
         _write_parquet(_rl_rows(val_pairs, "val"), root / "data" / "val.parquet")
-        shutil.copyfile(Path(__file__).with_name("tiny_reward.py"), root / "reward.py")
+        shutil.copyfile(Path(__file__).parents[1] / "rewards" / "tiny_reward.py", root / "reward.py")
 
         with _torch_threads():
             model = _new_model(spec, tokenizer)

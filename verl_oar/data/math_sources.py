@@ -7,7 +7,7 @@ split, so training on MATH's train split does not overlap it.
 Eval (one file each): MATH-500, AIME 2024, AMC 2023, Minerva Math, GSM8K test.
 
 Final answers of the sources that only have a worked solution are read with the code OAR uses to
-locate a response's answer, ``verl_oar.answer_span.find_answer_span``, so a ground truth is what
+locate a response's answer, ``verl_oar.core.answer_span.find_answer_span``, so a ground truth is what
 the reward would read from that same text:
 
 - MATH: the content of the last ``\\boxed{...}`` / ``\\fbox{...}`` of ``solution`` (a solution whose
@@ -46,7 +46,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from verl_oar.answer_span import find_answer_span
+from verl_oar.core.answer_span import find_answer_span
 
 __all__ = [
     "INSTRUCTION",

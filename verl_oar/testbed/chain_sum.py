@@ -10,7 +10,7 @@ about 15 are numbers the answer depends on and 2 (the last total) are what it co
 
 Oracle of causal tokens, from the response TEXT only (so it applies to sampled, imperfect responses):
 
-* the answer is located by ``verl_oar.answer_span.find_answer_span`` (the rule OAR itself uses);
+* the answer is located by ``verl_oar.core.answer_span.find_answer_span`` (the rule OAR itself uses);
   the reasoning is the text before the answer's marker. No answer -> no oracle (None).
 * the reasoning is read with one regex scan whose matches are, in order of text:
   ``start``  an integer ``\\d+``, which must be the first match;
@@ -25,9 +25,9 @@ Oracle of causal tokens, from the response TEXT only (so it applies to sampled, 
   on them transitively. ``direct`` is a subset of ``chain``.
 * everything else in the reasoning (filler, whitespace, ``+``, ``=``) is non-causal.
 
-Tokens: a token is causal when its character span (``verl_oar.answer_span.decode_with_offsets`` of
+Tokens: a token is causal when its character span (``verl_oar.core.answer_span.decode_with_offsets`` of
 the response decoded with ``skip_special_tokens=True``, as OAR's answer location does) overlaps a
-causal character; reasoning and answer tokens follow ``verl_oar.answer_span.locate_answer_tokens``.
+causal character; reasoning and answer tokens follow ``verl_oar.core.answer_span.locate_answer_tokens``.
 With the CPU workspace's byte tokenizer that is one token per character.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from verl_oar.answer_span import AnswerSpan, decode_with_offsets, find_answer_span
+from verl_oar.core.answer_span import AnswerSpan, decode_with_offsets, find_answer_span
 
 __all__ = [
     "DATA_SOURCE",

@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None, *, spec: TestbedSpec | None = None) 
     args = parse_args(argv)
     if spec is not None:
         args.spec = spec
-    from verl_oar.heatmap_render import MissingMatplotlib, require_matplotlib
+    from verl_oar.tools.heatmap_render import MissingMatplotlib, require_matplotlib
 
     try:  # the report needs it at the end: say so now, not after the training runs
         require_matplotlib("the demo's report figures")

@@ -55,13 +55,13 @@ import torch
 from torch import Tensor
 
 from verl_oar.cpu.workspace import read_manifest
-from verl_oar.importance.gradient import (
+from verl_oar.core.gradient import (
     GradientConfig,
     gradient_importance,
     make_hf_logits_fn,
 )
-from verl_oar.importance.hf_prefix import HFPrefixModel
-from verl_oar.importance.perturbation import (
+from verl_oar.core.hf import HFPrefixModel
+from verl_oar.core.perturbation import (
     PerturbationConfig,
     occlusion_spans,
     perturbation_importance,
@@ -369,7 +369,7 @@ def run_quality(
     """Steps 2-6 of the module docstring on the testbed's warm-started model."""
     from transformers import AutoModelForCausalLM
 
-    from verl_oar.answer_span import find_answer_span
+    from verl_oar.core.answer_span import find_answer_span
     from verl_oar.cpu.workspace import build_tokenizer
 
     if samples < 1 or not all(0 < f <= 1 for f in fracs):

@@ -157,7 +157,7 @@ def plot_counterfactual(summary: dict, path: Path) -> None:
 
 def plot_heatmaps(summary: dict, out: Path) -> list[str]:
     """One PNG per example (``heatmap_render.render_png``); returns the file names."""
-    from verl_oar.heatmap_render import render_png
+    from verl_oar.tools.heatmap_render import render_png
 
     names = []
     for i, ex in enumerate(summary["heatmaps"]):
@@ -257,7 +257,7 @@ direct {_fmt(s['mean_direct_tokens'], 1)}, chain {_fmt(s['mean_chain_tokens'], 1
 
 
 if __name__ == "__main__":
-    from verl_oar.heatmap_render import MissingMatplotlib, require_matplotlib
+    from verl_oar.tools.heatmap_render import MissingMatplotlib, require_matplotlib
 
     try:
         require_matplotlib("the report's figures")

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from verl_oar.cpu import tiny_reward
+from verl_oar.rewards import tiny_reward
 from verl_oar.cpu.workspace import (
     _locked,
     _new_model,
@@ -177,7 +177,7 @@ def split_problems(spec: TestbedSpec) -> tuple[list[ChainSumProblem], list[Chain
 _REWARD_HEADER = '''"""Reward of the chain_sum testbed (a verl ``reward.custom_reward_function``), standard library only.
 
 Written by ``verl_oar.testbed.workspace.build_testbed`` (the box parser is
-``verl_oar/cpu/tiny_reward.py``'s); verl loads it by path with ``.name=compute_score``.
+``verl_oar/rewards/tiny_reward.py``'s); verl loads it by path with ``.name=compute_score``.
 Score: 1.0 if the content of the last complete ``\\\\boxed{...}`` equals the ground truth (the sum,
 spaces ignored), else 0.0.
 """
@@ -279,7 +279,7 @@ def max_response_tokens(spec: TestbedSpec) -> int:
 def sample_statistics(model, tokenizer, problems: Sequence[ChainSumProblem], spec: TestbedSpec) -> dict:
     """Sample one response per problem; {"parse_rate" (oracle found), "accuracy" (boxed == sum),
     "arithmetic_ok" (fraction of parsed traces whose totals are right), "mean_response_tokens", "example"}."""
-    from verl_oar.answer_span import find_answer_span
+    from verl_oar.core.answer_span import find_answer_span
 
     samples = sample_responses(
         model, tokenizer, [p.prompt for p in problems], seed=spec.seed, max_new_tokens=max_response_tokens(spec)

@@ -1,0 +1,376 @@
+"""CPU mode (``verl_oar.cpu``): platform, verl patches, workspace, reward, hf rollout, and one real run.
+
+verl resolves its platform once per process, so everything that needs ``VERL_PLATFORM=cpu`` runs in a
+fresh subprocess; the rest runs in-process. The end-to-end test (marked ``slow``) runs verl's legacy
+trainer through the launcher for 2 GRPO steps (about 1.5 minutes); the v1 trainer's GRPO runs are the
+GRPO recipes' CPU copies (test_recipes_on_cpu.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from verl_oar.rewards.tiny_reward import FORMAT_BONUS, compute_score, last_boxed_content
+
+
+def _run_python(code: str, *, env_extra: dict[str, str] | None = None, timeout: int = 300) -> str:
+    """Run ``code`` in a fresh interpreter; assert it succeeds; return its stdout."""
+    env = dict(os.environ)
+    env.pop("VERL_PLATFORM", None)
+    env.update(env_extra or {})
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+    return out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# platform and patches
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_cpu_platform_registers_and_runs_a_gloo_collective_in_a_fresh_process():
+    stdout = _run_python(
+        """
+        import os
+        import torch
+        import verl
+        from verl.utils.device import get_device_id, get_device_name, get_nccl_backend, get_torch_device
+        from verl.plugin.platform import PlatformRegistry, get_platform
+        from verl.workers.engine.base import EngineRegistry
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+        from verl.workers.rollout.base import get_rollout_class
+        from verl.workers.rollout.replica import get_rollout_replica_class
+        from verl_oar.cpu.platform import register_cpu_platform
+        from verl_oar.cpu.verl_patches import patches_applied
+        from verl_oar.cpu.hf_rollout import HFReplica, HFServerAdapter
+
+        register_cpu_platform()  # the plugin already did; a second call is a no-op
+        assert get_platform().device_name == "cpu" and get_device_name() == "cpu"
+        assert get_nccl_backend() == "gloo"
+        assert torch.ones(1).to(get_device_id()).device.type == "cpu"
+        dev = get_torch_device()
+        dev.synchronize(); dev.empty_cache(); dev.set_device(0)
+        assert dev.memory_allocated() == 0 and dev.mem_get_info()[1] > 0
+        assert get_platform().ray_resource_options(1) == {"num_gpus": 1}
+
+        assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is FSDPEngineWithLMHead
+        assert EngineRegistry.get_engine_cls("value_model", "fsdp") is FSDPEngineWithValueHead
+        assert get_rollout_replica_class("hf") is HFReplica
+        assert get_rollout_class("hf", "async") is HFServerAdapter
+        assert all(patches_applied().values()), patches_applied()
+
+        # the patched process-group init builds "cpu:gloo", not the "cpu:gloo,cpu:gloo" torch rejects
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+        from verl.workers import engine_workers
+        engine_workers.initialize_global_process_group_ray(timeout_second=None)
+        t = torch.ones(3)
+        torch.distributed.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0]
+        torch.distributed.destroy_process_group()
+
+        # never auto-detected: without VERL_PLATFORM=cpu the platform declines
+        os.environ["VERL_PLATFORM"] = ""
+        assert not PlatformRegistry.get("cpu")().is_platform_available(use_smi_check=True)
+        print("OK")
+        """,
+        env_extra={"VERL_PLATFORM": "cpu"},
+    )
+    assert "OK" in stdout
+
+
+def test_each_verl_patch_target_still_exists_in_installed_verl():
+    stdout = _run_python(
+        """
+        from verl_oar.cpu.verl_patches import PATCHES, check_verl_version
+        print("verl", check_verl_version())
+        for patch in PATCHES:
+            patch.target()  # raises VerlPatchError naming the verl function if it is gone
+            print("ok", patch.name, patch.module + "." + patch.attribute)
+        """
+    )
+    assert stdout.count("ok ") == 3, stdout
+
+
+def test_a_missing_patch_target_fails_loudly_with_its_name():
+    from verl_oar.cpu.verl_patches import VerlPatch, VerlPatchError
+
+    ghost = VerlPatch(
+        name="ghost",
+        module="verl.utils.distributed",
+        attribute="function_that_verl_does_not_have",
+        why="test",
+        apply=lambda module: None,
+    )
+    with pytest.raises(VerlPatchError, match="verl.utils.distributed.function_that_verl_does_not_have"):
+        ghost.target()
+
+
+def test_cpu_mode_refuses_without_explicit_opt_in(monkeypatch):
+    from verl_oar.cpu.platform import register_cpu_platform
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    with pytest.raises(RuntimeError, match="VERL_PLATFORM=cpu"):
+        register_cpu_platform()
+
+
+def test_dedup_backend():
+    from verl_oar.cpu.verl_patches import dedup_backend
+
+    assert dedup_backend("cpu:gloo,cpu:gloo") == "cpu:gloo"
+    assert dedup_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+
+
+# ---------------------------------------------------------------------------------------------------
+# workspace
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_workspace_contents(cpu_workspace_dir: Path):
+    import pandas as pd
+
+    manifest = json.loads((cpu_workspace_dir / "workspace.json").read_text())
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (cpu_workspace_dir / "model" / name).exists(), name
+    assert (cpu_workspace_dir / "reward.py").read_text() == Path(
+        __import__("verl_oar.rewards.tiny_reward", fromlist=["x"]).__file__
+    ).read_text()
+    assert json.loads((cpu_workspace_dir / "model" / "config.json").read_text())["model_type"] == "qwen2"
+
+    train = pd.read_parquet(cpu_workspace_dir / "data" / "train.parquet")
+    val = pd.read_parquet(cpu_workspace_dir / "data" / "val.parquet")
+    assert len(train) == manifest["spec"]["n_train"] and len(val) == manifest["spec"]["n_val"]
+    row = train.iloc[0]
+    assert set(train.columns) >= {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+    assert row["prompt"][0]["role"] == "user" and row["prompt"][0]["content"].startswith("What is ")
+    a, b = row["prompt"][0]["content"][len("What is ") : -1].split("+")
+    assert row["reward_model"]["ground_truth"] == str(int(a) + int(b))
+    assert not set(train["extra_info"].map(lambda e: e["question"])) & set(
+        val["extra_info"].map(lambda e: e["question"])
+    )
+
+    # the warm start leaves a model that answers in \boxed{} and is sometimes right, sometimes wrong
+    samples = manifest["train_samples"]
+    assert samples["boxed_rate"] >= 0.7, samples
+    assert 0.05 <= samples["accuracy"] <= 0.95, samples
+
+
+def test_workspace_tokenizer_reloads_as_qwen2_and_round_trips(cpu_workspace_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cpu_workspace_dir / "model")
+    text = "What is 3+4? Add 3 and 4: 7. \\boxed{7} — ünïcode"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert all(i < 256 for i in ids)  # bytes only
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.encode("\n", add_special_tokens=False) == [10]  # verl's Qwen chat-token builder needs this
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt == "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_workspace_build_is_reused(cpu_workspace_dir: Path):
+    from verl_oar.cpu.workspace import build_workspace
+
+    weights = cpu_workspace_dir / "model" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    build_workspace(cpu_workspace_dir)
+    assert weights.stat().st_mtime_ns == before
+
+
+# ---------------------------------------------------------------------------------------------------
+# reward
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("3 plus 4 makes 7. \\boxed{7}", 1.0 + FORMAT_BONUS),
+        ("3 plus 4 makes 8. \\boxed{8}", FORMAT_BONUS),
+        ("\\boxed{6} no wait \\boxed{7}", 1.0 + FORMAT_BONUS),  # the last box counts
+        ("\\boxed{7} no wait \\boxed{6}", FORMAT_BONUS),
+        ("\\boxed{ 7 }", 1.0 + FORMAT_BONUS),
+        ("3 plus 4 makes 7.", 0.0),  # no final answer
+        ("3 plus 4 makes 7. \\boxed{7", 0.0),  # truncated
+        ("\\boxed{7} then truncated \\boxed{", 1.0 + FORMAT_BONUS),  # earlier complete box
+        ("", 0.0),
+    ],
+)
+def test_reward_scores_hand_written_responses(response: str, expected: float):
+    assert compute_score("verl_oar/tiny_arithmetic", response, "7") == pytest.approx(expected)
+
+
+def test_last_boxed_content_handles_nested_braces():
+    assert last_boxed_content("x \\boxed{\\frac{1}{2}} y") == "\\frac{1}{2}"
+    assert last_boxed_content("nothing here") is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# hf rollout server (in-process, no Ray)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_server(cpu_workspace_dir: Path):
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from verl_oar.cpu.hf_rollout import HFServer
+
+    rollout = RolloutConfig(
+        name="hf", tensor_model_parallel_size=1, dtype="float32", prompt_length=64, response_length=48
+    )
+    model = HFModelConfig(path=str(cpu_workspace_dir / "model"), override_config={"attn_implementation": "sdpa"})
+    return HFServer(rollout, model, replica_rank=0)
+
+
+def _prompt_ids(server, question: str) -> list[int]:
+    tok = server.model_config.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _generate(server, prompt_ids, **params):
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    sampling.update(params)
+    return asyncio.run(server.generate(prompt_ids=prompt_ids, sampling_params=sampling, request_id="t"))
+
+
+def test_hf_rollout_log_probs_match_a_full_forward(hf_server):
+    import torch
+
+    prompt = _prompt_ids(hf_server, "What is 3+4?")
+    out = _generate(hf_server, prompt)
+    assert 1 <= len(out.token_ids) <= 48 and len(out.log_probs) == len(out.token_ids)
+    with torch.no_grad():
+        logits = hf_server.model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-5)
+
+
+def test_hf_rollout_batches_concurrent_requests_without_changing_them(hf_server):
+    """Requests sent at once (as the agent loop sends a step's prompts x n) are generated as one
+    left-padded batch; each row's log-probs still equal a full forward of that sequence alone, and
+    greedy answers equal the unbatched ones."""
+    import torch
+
+    prompts = [_prompt_ids(hf_server, q) for q in ("What is 3+4?", "What is 12+30?", "1+1?", "What is 7+8+9?")]
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    batches = []
+    real_generate_batch = hf_server._generate_batch
+
+    def counting(prompts_, key):
+        batches.append(len(prompts_))
+        return real_generate_batch(prompts_, key)
+
+    async def burst(params):
+        return await asyncio.gather(
+            *[hf_server.generate(prompt_ids=p, sampling_params=dict(params), request_id=str(i)) for i, p in enumerate(prompts)]
+        )
+
+    hf_server._generate_batch = counting
+    try:
+        outs = asyncio.run(burst(sampling))
+        greedy = asyncio.run(burst({**sampling, "temperature": 0}))
+    finally:
+        del hf_server._generate_batch
+    assert batches == [len(prompts), len(prompts)]
+    for prompt, out in zip(prompts, outs):
+        assert 1 <= len(out.token_ids) <= 48 and len(out.log_probs) == len(out.token_ids)
+        with torch.no_grad():
+            logits = hf_server.model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-5)
+        assert all(t not in hf_server.eos_token_ids for t in out.token_ids[:-1])
+    for prompt, out in zip(prompts, greedy):
+        assert out.token_ids == _generate(hf_server, prompt, temperature=0).token_ids
+
+
+def test_hf_rollout_respects_max_tokens_eos_and_greedy(hf_server):
+    prompt = _prompt_ids(hf_server, "What is 2+5?")
+    short = _generate(hf_server, prompt, max_tokens=5)
+    assert len(short.token_ids) == 5
+    greedy_a = _generate(hf_server, prompt, temperature=0)
+    greedy_b = _generate(hf_server, prompt, temperature=0)
+    assert greedy_a.token_ids == greedy_b.token_ids
+    assert greedy_a.token_ids[-1] in hf_server.eos_token_ids  # a warm-started model stops by itself
+    assert hf_server.eos_token_ids.count(greedy_a.token_ids[-1]) == 1
+    assert all(t not in hf_server.eos_token_ids for t in greedy_a.token_ids[:-1])
+    no_logprobs = _generate(hf_server, prompt, logprobs=False)
+    assert no_logprobs.log_probs is None
+
+
+def test_hf_rollout_takes_weight_updates(hf_server):
+    import torch
+
+    prompt = _prompt_ids(hf_server, "What is 1+1?")
+    original = {k: v.clone() for k, v in hf_server.model.state_dict().items()}
+    try:
+        # a full update (what verl sends) whose output embedding is zero: every token equally likely
+        zeroed = dict(original)
+        output_name = "lm_head.weight" if "lm_head.weight" in zeroed else "model.embed_tokens.weight"
+        zeroed[output_name] = torch.zeros_like(original[output_name])
+        info = hf_server.update_weights(zeroed, global_steps=3)
+        assert info["loaded"] == len(zeroed) and hf_server.global_steps == 3
+        out = _generate(hf_server, prompt, max_tokens=4, ignore_eos=True)  # uniform: EOS could come early
+        vocab = hf_server.model.config.vocab_size
+        assert out.log_probs == pytest.approx([-float(torch.log(torch.tensor(float(vocab))))] * 4, abs=1e-5)
+        with pytest.raises(RuntimeError, match="unexpected"):
+            hf_server.update_weights({**original, "not.a.parameter": torch.zeros(1)})
+        with pytest.raises(RuntimeError, match="missing"):  # partial updates would leave stale weights
+            hf_server.update_weights({output_name: original[output_name]})
+    finally:
+        hf_server.model.load_state_dict(original)
+
+
+# ---------------------------------------------------------------------------------------------------
+# end to end: verl's real trainer
+# ---------------------------------------------------------------------------------------------------
+
+
+def _run_launcher(workspace: Path, log: Path, experiment: str, *extra: str) -> list[dict]:
+    """Run ``python -m verl_oar.cpu.launch`` for 2 GRPO steps; assert success; return the step records."""
+    from verl_oar.cpu.launch import read_metrics
+    from verl_oar.cpu.overrides import metrics_file
+
+    with open(log, "w") as fp:
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "verl_oar.cpu.launch",
+                "--workdir", str(workspace),
+                "--steps", "2",
+                "--adv-estimator", "grpo",
+                "--experiment-name", experiment,
+                "--timeout", "330",
+                *extra,
+            ],
+            check=False, stdout=fp, stderr=subprocess.STDOUT, timeout=360,
+        )  # fmt: skip
+    tail = log.read_text()[-6000:]
+    assert proc.returncode == 0, tail
+    records = read_metrics(metrics_file(workspace, experiment))
+    assert [r["step"] for r in records] == [1, 2], tail
+    return records
+
+
+@pytest.mark.slow
+def test_grpo_two_steps_with_verls_legacy_trainer_on_cpu(cpu_workspace_dir: Path, tmp_path: Path):
+    records = _run_launcher(cpu_workspace_dir, tmp_path / "trainer.log", "e2e_test_grpo_legacy", "--legacy")
+    for record in records:
+        assert {"critic/score/mean", "actor/pg_loss"} <= set(record["data"])

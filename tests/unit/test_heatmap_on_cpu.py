@@ -1,0 +1,264 @@
+"""python -m verl_oar.tools.heatmap in-process on a tiny randomly initialised Qwen2 (the CPU workspace's byte
+tokenizer): files written, the JSON's scores equal the importance functions called directly on the
+same ids (so the wiring of positions and masks is right), rollouts files in verl's formats, bad
+input, and the renderer on awkward tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from verl_oar.core.answer_span import locate_answer_tokens
+from verl_oar.tools.heatmap import main
+from verl_oar.tools.heatmap_render import html_block, render_png
+from verl_oar.core.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
+from verl_oar.core.hf import HFPrefixModel
+from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
+from verl_oar.testbed.chain_sum import oracle_token_masks
+
+PROMPT = "sum: 3 7 2"
+RESPONSE = "3 ok hmm +7=10 so well +2=12 \\boxed{12}"
+REASONING_TEXT = "3 ok hmm +7=10 so well +2=12 "
+"""one token per character with the byte tokenizer: the reasoning tokens, up to the marker"""
+SEED = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny randomly initialised Qwen2 (hidden 32, 2 layers) with the CPU workspace's tokenizer,
+    saved as a Hugging Face model directory; scores are meaningless but exercise every path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from verl_oar.cpu.workspace import build_tokenizer, save_model_dir
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("heatmap_model") / "model"
+    save_model_dir(Qwen2ForCausalLM(config).float(), tokenizer, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_run(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("heatmap_out")
+    report = main(["--model", str(model_dir), "--prompt", PROMPT, "--response", RESPONSE, "--oracle", "chain_sum",
+                   "--seed", str(SEED), "--device", "cpu", "--out", str(out)])
+    return report, out
+
+
+def templated_ids(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# --prompt / --response
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_files_written(prompt_run):
+    report, out = prompt_run
+    assert report["files"]["png"] == [str(out / "heatmap_0.png")]
+    assert (out / "heatmap_0.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "heatmap.json").read_text()) == json.loads(json.dumps(report))
+    page = (out / "heatmap.html").read_text()
+    assert "oar_g" in page and "oar_p" in page and "oracle chain" in page
+
+
+def test_ids_and_masks(prompt_run, loaded):
+    _, tokenizer = loaded
+    row = prompt_run[0]["rows"][0]
+    assert row["prompt_ids"] == templated_ids(tokenizer, PROMPT) and row["chat_template"]
+    assert row["response_ids"] == tokenizer.encode(RESPONSE, add_special_tokens=False)
+    assert "".join(row["tokens"]) == RESPONSE
+    assert sum(row["reasoning"]) == len(REASONING_TEXT) == row["reasoning"].index(False)
+    assert row["answer_text"] == "12"
+    assert (row["reasoning"], row["answer"]) == tuple(locate_answer_tokens(row["response_ids"], tokenizer))
+
+
+def test_scores_equal_direct_calls(prompt_run, loaded):
+    """OAR-G and OAR-P of the JSON are the package's functions on prompt + response ids, read back
+    at the response positions; zero off the reasoning tokens."""
+    model, tokenizer = loaded
+    row = prompt_run[0]["rows"][0]
+    p = len(row["prompt_ids"])
+    ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
+    reasoning = torch.tensor([False] * p + row["reasoning"])
+    answer = torch.tensor([False] * p + row["answer"])
+    predict = torch.zeros_like(answer)
+    predict[:-1] = answer[1:]
+
+    embeds = model.get_input_embeddings()(ids[None]).detach()
+    oar_g = gradient_importance(
+        make_hf_logits_fn(model, attention_mask=torch.ones_like(ids[None])), embeds, reasoning[None], predict[None],
+        torch.roll(ids, -1)[None], torch.zeros_like(ids[None]), 1, GradientConfig(),
+        generator=torch.Generator().manual_seed(SEED),
+    )[0, p:]
+    span = occlusion_spans(reasoning, "exact", 16)
+    oar_p, _ = perturbation_importance(HFPrefixModel(model), ids, torch.arange(len(ids)), span, predict,
+                                       tokenizer.pad_token_id, PerturbationConfig(), max_tokens=8192)
+    for name, expected in (("oar_g", oar_g), ("oar_p", oar_p[p:])):
+        got = torch.tensor(row["scores"][name])
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0, msg=name)
+        mask = torch.tensor(row["reasoning"])
+        assert (got[~mask] == 0).all() and (got[mask] > 0).any(), name
+    config = prompt_run[0]["config"]
+    assert config["neutral_id"] == tokenizer.pad_token_id and config["seed"] == SEED
+
+
+def test_weights_and_oracle(prompt_run, loaded):
+    _, tokenizer = loaded
+    row = prompt_run[0]["rows"][0]
+    mask = torch.tensor(row["reasoning"])
+    for name in ("oar_g", "oar_p"):
+        weights = torch.tensor(row["weights"][name])
+        assert row["fallback"][name] == "NONE"
+        assert (weights[~mask] == 1).all() and (weights[mask] > 0).all()
+        assert weights[mask].sum().item() == pytest.approx(mask.sum().item(), rel=1e-5)  # mass preserved
+        assert weights[mask].min() < 1 < weights[mask].max()                             # suppress and boost
+    oracle = oracle_token_masks(row["response_ids"], tokenizer)
+    assert row["oracle"] == {"direct": oracle.direct.tolist(), "chain": oracle.chain.tolist()}
+    direct = [t for t, d in zip(row["tokens"], row["oracle"]["direct"]) if d]
+    assert direct == ["1", "2"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# --rollouts
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_rollouts_parquet_chat_prompt(model_dir, loaded, tmp_path, capsys):
+    """verl's RL parquet: the prompt is a message list; a row with no answer is reported and skipped."""
+    _, tokenizer = loaded
+    prompts = ["sum: 3 7 2", "sum: 1 1", "sum: 4 5"]
+    responses = [RESPONSE, "1 ok +1=2 so no box", "4 hmm +5=9 \\boxed{9}"]
+    path = tmp_path / "rollouts.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": p}] for p in prompts], "response": responses,
+                  "data_source": "verl_oar/chain_sum"}).to_parquet(path, index=False)
+    report = main(["--model", str(model_dir), "--rollouts", str(path), "--rows", "2,1", "--estimators", "oar_g",
+                   "--device", "cpu", "--out", str(tmp_path / "out")])
+    assert [r["row"] for r in report["rows"]] == [2]
+    assert report["rows"][0]["prompt_ids"] == templated_ids(tokenizer, prompts[2])
+    assert list(report["rows"][0]["scores"]) == ["oar_g"]
+    assert [s["row"] for s in report["skipped"]] == [1]
+    assert "row 1 skipped: no final answer" in capsys.readouterr().err
+    assert (tmp_path / "out" / "heatmap_2.png").exists() and not (tmp_path / "out" / "heatmap_1.png").exists()
+
+
+def test_rollouts_jsonl_verl_dump(model_dir, loaded, tmp_path):
+    """verl's rollout dump (input / output): the input is already templated, so it is tokenised raw."""
+    _, tokenizer = loaded
+    dump = [{"input": f"user\nsum: {a} {b}\nassistant\n", "output": f"{a} ok +{b}={a + b} \\boxed{{{a + b}}}",
+             "score": 1.0, "step": 1} for a, b in ((3, 4), (2, 5))]
+    path = tmp_path / "1.jsonl"
+    path.write_text("\n".join(json.dumps(d) for d in dump) + "\n")
+    report = main(["--model", str(model_dir), "--rollouts", str(path), "--rows", "1", "--estimators", "oar_p",
+                   "--oar-p-mode", "chunk", "--oar-p-budget", "4", "--neutral", "space", "--device", "cpu",
+                   "--out", str(tmp_path / "out")])
+    (row,) = report["rows"]
+    assert row["row"] == 1 and not row["chat_template"]
+    assert row["prompt_ids"] == tokenizer.encode(dump[1]["input"], add_special_tokens=True)
+    assert report["config"]["neutral_id"] == tokenizer.encode(" ", add_special_tokens=False)[0]
+    reasoning = torch.tensor(row["reasoning"])
+    assert len(set(torch.tensor(row["scores"]["oar_p"])[reasoning].tolist())) <= 4  # 4 chunks share scores
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad input: a message naming the problem, no stack trace
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rollouts_jsonl(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"question": "sum: 1 2", "answer_text": "1 +2=3 \\boxed{3}"}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rollouts", "/nonexistent/r.jsonl"], "no such file"),
+        (["--rollouts", "{file}"], "available keys: answer_text, question"),
+        (["--rollouts", "{file}", "--prompt-key", "question", "--response-key", "answer_text", "--rows", "0,5"],
+         r"--rows 5: out of range, .* has 1 rows \(0..0\)"),
+        (["--prompt", PROMPT, "--response", "3 ok +7=10 so the sum is 10"], "no final answer found"),
+        (["--prompt", PROMPT, "--response", RESPONSE, "--estimators", "oar_x"], "choose from oar_g, oar_p"),
+        (["--prompt", PROMPT, "--response", RESPONSE, "--answer-locator", "pkg://no_such_module_xyz.f"],
+         "no_such_module_xyz"),
+    ],
+)
+def test_bad_input(model_dir, rollouts_jsonl, capsys, args, message):
+    args = [a.replace("{file}", str(rollouts_jsonl)) for a in args]
+    with pytest.raises(SystemExit, match=message) as info:
+        main(["--model", str(model_dir), "--device", "cpu", "--out", str(rollouts_jsonl.parent / "out"), *args])
+    assert str(info.value.code).startswith("verl_oar.tools.heatmap: ")
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------------------------------
+
+TOKENS = ["$", "x", "$", "\n", "\\boxed{", "1", "}", "$$", " ", "<script>", "\t"]
+
+
+def test_render_png_awkward_tokens(tmp_path):
+    n = len(TOKENS)
+    path = tmp_path / "h.png"
+    render_png(path, TOKENS, [("oar_g", [float(i) for i in range(n)]), ("zeros", [0.0] * n)],
+               [("reasoning", [i < 4 for i in range(n)])], title="a $title$ with {braces}\nsecond line", wrap=4,
+               weights=[("w~", [0.5, 1.0, 2.0, float("nan"), *([1.0] * (n - 4))])])
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_html_block_escapes():
+    n = len(TOKENS)
+    block = html_block(TOKENS, [("oar_g", [1.0] * n)], [("answer", [True] * n)], title="<b>row</b>")
+    assert "<script>" not in block and "&lt;script&gt;" in block and "&lt;b&gt;row" in block
+    assert "⏎" in block and block.count("■") == n
+    with pytest.raises(ValueError, match="2 values for"):
+        html_block(TOKENS, [("short", [1.0, 2.0])], [], "")
+
+
+def test_answer_locator_is_the_runs(model_dir, tmp_path):
+    """A response the built-in cannot read is scored with the run's own locator (--answer-locator)."""
+    locator = tmp_path / "my_locator.py"
+    locator.write_text(
+        "from verl_oar.core.answer_span import AnswerSpan\n"
+        "def locate(text):\n"
+        "    at = text.rfind('RESULT ')\n"
+        "    return None if at < 0 else AnswerSpan(at, at + 7, len(text))\n"
+    )
+    response = "3 ok +7=10 so RESULT 10"
+    report = main(["--model", str(model_dir), "--device", "cpu", "--out", str(tmp_path / "out"), "--prompt", PROMPT,
+                   "--response", response, "--estimators", "oar_g", "--answer-locator", f"{locator}:locate"])
+    row = report["rows"][0]
+    tokens = row["tokens"]
+    assert "".join(t for t, a in zip(tokens, row["answer"]) if a) == "10"

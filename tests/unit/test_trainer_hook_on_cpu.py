@@ -1,0 +1,255 @@
+"""The verl-facing layer without Ray: plugin loading, registries, start-up checks, the estimator."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from _verl_config import compose_ppo_config
+
+
+def test_plugin_loads_through_verls_entry_point_in_a_fresh_process():
+    code = (
+        "import verl\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
+        "from verl_oar.integration import plugin\n"
+        "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
+        "assert 'oar_g' in core_algos.ADV_ESTIMATOR_REGISTRY\n"
+        "assert TRAINER_REGISTRY['sync'].__name__ == 'OARTrainerSync'\n"
+        "assert all(getattr(c, '_verl_oar_hooked', False) for c in TRAINER_REGISTRY.values())\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_trainer_hook_is_the_one_verl_patch_and_still_applies():
+    import verl
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from verl_oar.integration.trainer import SUPPORTED_VERL, install_trainer_hook
+
+    assert verl.__version__.startswith(SUPPORTED_VERL)
+    install_trainer_hook()  # idempotent: a second install changes nothing
+    sync = trainer_base.TRAINER_REGISTRY["sync"]
+    assert issubclass(sync, PPOTrainerSync) and sync is not PPOTrainerSync
+    from verl.trainer.ppo import ray_trainer
+
+    assert getattr(ray_trainer.RayPPOTrainer, "_verl_oar_hooked", False), "legacy trainer is not guarded"
+    for name in ("_compute_old_log_prob", "_compute_advantage", "_init_resource_pool_mgr"):
+        assert name in vars(sync), f"OARTrainerSync must override {name}"
+        assert hasattr(PPOTrainerSync, name), f"verl no longer has PPOTrainer.{name}: the hook is stale"
+
+
+def test_estimator_registration_is_idempotent_when_imported_by_file_path():
+    import verl_oar.integration.estimators as mod
+    from verl.trainer.ppo import core_algos
+
+    spec = importlib.util.spec_from_file_location("oar_g_again", mod.__file__)
+    again = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(again)  # must not raise ValueError like verl's own decorator would
+    assert core_algos.ADV_ESTIMATOR_REGISTRY["oar_g"] is mod.compute_oar_g_advantage
+
+
+def test_a_different_function_under_an_oar_name_is_refused():
+    from verl_oar.integration.signals import register_token_estimator
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_token_estimator("oar_g", needs=())(lambda **kw: None)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["trainer.v1.trainer_mode=colocate_async"], "trainer_mode=sync"),
+        (["trainer.use_v1=false"], "trainer.use_v1=true"),
+        (["actor_rollout_ref.actor.strategy=megatron"], "model_engine=megatron"),  # FSDP config, no megatron node
+        (["actor_rollout_ref.actor.strategy=torchtitan"], "model_engine=megatron"),
+        (["+algorithm.oar.tua=0.5"], r"Unknown key\(s\) algorithm.oar.tua"),
+        (["+algorithm.oar.tau=1.5"], "tau"),
+        (["+algorithm.oar.outcome=median"], "outcome"),
+        (["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=false"], "reference model"),
+        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "ulysses"),
+        (["actor_rollout_ref.actor.strategy=fsdp", "trainer.n_gpus_per_node=8"],
+         r"FSDP1 .*needs one data-parallel rank, but this run has 8.*strategy=fsdp2"),
+    ],
+)
+def test_startup_checks_name_cause_and_fix(overrides, match):
+    from verl_oar.integration.trainer import check_token_signals_supported
+
+    from verl_oar.integration.trainer import LEGACY
+
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2", *overrides])
+    mode = config.trainer.v1.trainer_mode if config.trainer.use_v1 else LEGACY
+    with pytest.raises(ValueError, match=match):
+        check_token_signals_supported(config, mode)
+
+
+MEGATRON = "actor_rollout_ref.actor.megatron"
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ([f"{MEGATRON}.pipeline_model_parallel_size=2"],
+         (rf"{MEGATRON}.pipeline_model_parallel_size=2: the input embeddings .* Set {MEGATRON}"
+          r".pipeline_model_parallel_size=1; shard the model with tensor_model_parallel_size and sequence_parallel")),
+        ([f"{MEGATRON}.virtual_pipeline_model_parallel_size=2"], "virtual_pipeline_model_parallel_size=null"),
+        ([f"{MEGATRON}.context_parallel_size=2"], rf"{MEGATRON}.context_parallel_size=2: context parallelism"),
+        ([f"{MEGATRON}.dynamic_context_parallel=True"], "dynamic_context_parallel=True"),
+        ([f"{MEGATRON}.use_megatron_fsdp=True"], "use_megatron_fsdp=True: its forward gathers parameters"),
+        ([f"+{MEGATRON}.override_ddp_config.overlap_param_gather=True"],
+         "override_ddp_config.overlap_param_gather=True: the distributed optimizer then gathers"),
+        (["+actor_rollout_ref.actor.optim.override_optimizer_config.overlap_param_gather=True"],
+         "optim.override_optimizer_config.overlap_param_gather=True"),
+        ([f"{MEGATRON}.expert_model_parallel_size=2"],
+         rf"{MEGATRON}.expert_model_parallel_size=2: every MoE layer then exchanges tokens \(all-to-all\)"),
+        ([f"{MEGATRON}.tensor_model_parallel_size=2", f"{MEGATRON}.expert_tensor_parallel_size=4"],
+         "expert_tensor_parallel_size=4 .different from tensor_model_parallel_size=2.: the experts' tensor-parallel group"),
+        (["actor_rollout_ref.model.mtp.enable=True"], r"mtp.enable=False"),
+        (["actor_rollout_ref.model.use_fused_kernels=True"], "use_fused_kernels=False"),
+        (["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=true",
+          "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=4"],
+         "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=4"),
+    ],
+)
+@pytest.mark.parametrize("estimator", ["oar_g", "oar_p"])
+def test_megatron_startup_checks_name_the_setting_and_what_works(overrides, match, estimator):
+    """verl's Megatron config (``model_engine=megatron``): what OAR cannot do there is refused at start-up."""
+    from verl_oar.integration.trainer import check_token_signals_supported
+
+    config = compose_ppo_config(["model_engine=megatron", f"algorithm.adv_estimator={estimator}", *overrides])
+    assert config.actor_rollout_ref.actor.strategy == "megatron"
+    with pytest.raises(ValueError, match=match):
+        check_token_signals_supported(config, "sync")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # verl's defaults: TP 1, sequence_parallel on, packing on
+        [f"{MEGATRON}.tensor_model_parallel_size=4", f"{MEGATRON}.sequence_parallel=True"],
+        [f"{MEGATRON}.tensor_model_parallel_size=2", f"{MEGATRON}.sequence_parallel=False",
+         "actor_rollout_ref.model.use_remove_padding=False", f"{MEGATRON}.expert_tensor_parallel_size=2"],
+        ["+algorithm.oar.importance_model=ref", "actor_rollout_ref.actor.use_kl_loss=true"],
+    ],
+)
+@pytest.mark.parametrize("estimator", ["oar_g", "oar_p"])
+def test_megatron_startup_check_passes_tensor_and_sequence_parallel(overrides, estimator):
+    from verl_oar.integration.trainer import check_token_signals_supported
+
+    config = compose_ppo_config(["model_engine=megatron", f"algorithm.adv_estimator={estimator}", *overrides])
+    assert [p.name for p in check_token_signals_supported(config, "sync")] == ["token_importance"]
+
+
+@pytest.mark.parametrize(
+    "overrides, fused",
+    [
+        (["model_engine=megatron"], True),
+        (["model_engine=megatron", f"{MEGATRON}.router_replay.mode=R2"], False),  # verl records routes there
+        (["actor_rollout_ref.actor.strategy=fsdp2"], True),
+    ],
+)
+def test_fused_log_prob_pass_is_off_where_verls_pass_does_more(overrides, fused):
+    from types import SimpleNamespace
+
+    from verl_oar.integration.importance_signal import fuse_into_log_prob
+
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_g", *overrides])
+    batch = SimpleNamespace(extra_info={})
+    assert fuse_into_log_prob(SimpleNamespace(config=config, global_steps=2), batch) is fused
+    assert batch.extra_info.get("oar_fused", False) is fused
+
+
+def test_startup_check_passes_for_a_supported_config_and_ignores_other_estimators():
+    from verl_oar.integration.trainer import check_token_signals_supported
+
+    ok = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2"])
+    assert [p.name for p in check_token_signals_supported(ok, "sync")] == ["token_importance"]
+    grpo = compose_ppo_config(["algorithm.adv_estimator=grpo", "trainer.v1.trainer_mode=colocate_async"])
+    assert check_token_signals_supported(grpo, "colocate_async") == ()
+
+
+def _grpo_batch(rewards, length=6):
+    bs = len(rewards)
+    token_level_rewards = torch.zeros(bs, length)
+    token_level_rewards[:, -1] = torch.tensor(rewards, dtype=torch.float32)
+    response_mask = torch.ones(bs, length)
+    index = np.array(["a"] * (bs // 2) + ["b"] * (bs - bs // 2), dtype=object)
+    return token_level_rewards, response_mask, index
+
+
+def test_estimator_without_signals_refuses_with_cause_and_fix():
+    from verl_oar.integration.estimators import compute_oar_g_advantage
+
+    rewards, mask, index = _grpo_batch([1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(RuntimeError, match="trainer.v1.trainer_mode=sync"):
+        compute_oar_g_advantage(token_level_rewards=rewards, response_mask=mask, index=index, config={})
+
+
+def test_estimator_reshapes_grpo_exactly_where_importance_varies():
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    from verl_oar.integration.estimators import compute_oar_g_advantage
+    from verl_oar.integration.signals import TokenSignals, provide
+
+    rewards, mask, index = _grpo_batch([1.0, 0.0, 0.5, 0.0])
+    importance = torch.rand(4, 6)
+    importance[1] = 0.3  # all-equal: falls back to uniform weights
+    reasoning = torch.zeros(4, 6, dtype=torch.long)
+    reasoning[:, :4] = 1
+    answer = torch.zeros(4, 6, dtype=torch.long)
+    answer[:, 4] = 1
+    answer[3] = 0  # no answer found: falls back
+    signals = TokenSignals(
+        tensors={"oar_importance": importance, "oar_reasoning_mask": reasoning, "oar_answer_mask": answer}
+    )
+    with provide(signals):
+        adv, returns = compute_oar_g_advantage(token_level_rewards=rewards, response_mask=mask, index=index, config={})
+    grpo, _ = compute_grpo_outcome_advantage(rewards, mask, index)
+    assert torch.equal(adv, returns)
+    torch.testing.assert_close(adv.sum(dim=1), grpo.sum(dim=1), rtol=1e-5, atol=1e-5)  # mass preserved
+    torch.testing.assert_close(adv[1], grpo[1]) and torch.testing.assert_close(adv[3], grpo[3])
+    for row in (0, 2):
+        assert not torch.allclose(adv[row, :4], grpo[row, :4])  # reasoning reshaped
+        torch.testing.assert_close(adv[row, 4:], grpo[row, 4:])  # answer and later tokens keep weight 1
+        assert torch.all(torch.sign(adv[row]) == torch.sign(grpo[row]))
+    assert signals.metrics["fallback/frac_any"] == pytest.approx(0.5)
+
+
+def test_a_half_loaded_plugin_is_named_as_the_cause(monkeypatch):
+    from verl_oar.integration import signals
+    from verl_oar.integration.estimators import compute_oar_g_advantage
+
+    monkeypatch.setattr(signals, "PLUGIN_LOAD_ERROR", "Traceback ... ImportError: boom")
+    rewards, mask, index = _grpo_batch([1.0, 0.0, 1.0, 0.0])
+    with pytest.raises(RuntimeError, match="plugin failed to load:\nTraceback ... ImportError: boom"):
+        compute_oar_g_advantage(token_level_rewards=rewards, response_mask=mask, index=index, config={})
+
+
+def test_plugin_failure_is_printed_loudly_not_swallowed():
+    # a broken verl_oar.integration.trainer shadows the real one: verl would hide the exception at debug level
+    code = (
+        "import sys, types\n"
+        "import verl_oar\n"
+        "broken = types.ModuleType('verl_oar.integration.trainer')\n"
+        "def install_trainer_hook():\n"
+        "    raise RuntimeError('simulated hook failure')\n"
+        "broken.install_trainer_hook = install_trainer_hook\n"
+        "sys.modules['verl_oar.integration.trainer'] = broken\n"
+        "import verl\n"
+        "from verl_oar.integration import plugin\n"
+        "assert plugin.LOAD_ERROR and 'simulated hook failure' in plugin.LOAD_ERROR\n"
+        "from verl_oar.integration import signals\n"
+        "assert signals.PLUGIN_LOAD_ERROR == plugin.LOAD_ERROR\n"
+        "print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+    assert "[verl-oar] ERROR: the verl-oar plugin failed to load" in out.stderr

@@ -1,0 +1,164 @@
+"""``algorithm.oar.*``: OAR's hyper-parameters, typed, with defaults and validation.
+
+verl's base config has no ``algorithm.oar`` node, so users add keys with Hydra's ``+`` prefix:
+
+    python -m verl.trainer.main_ppo algorithm.adv_estimator=oar_g \
+        +algorithm.oar.tau=0.5 +algorithm.oar.outcome=mean +algorithm.oar.saliency=grad_x_input
+
+Every key is optional; a key that is not a field below is refused with the list of valid keys
+(a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+from verl_oar.core.gradient import GradientConfig
+from verl_oar.core.perturbation import PerturbationConfig
+from verl_oar.core.reshape import ReshapeConfig
+
+
+@dataclass(frozen=True)
+class OARConfig:
+    """Everything OAR reads from ``algorithm.oar``; defaults follow the paper's best setting."""
+
+    tau: float = 0.5
+    """quantile level in [0, 1] that splits suppressed from amplified tokens (paper: ~0.5 best)"""
+    beta: float = 1.0
+    """amplification strength: the most important token gets weight 1 + beta before renormalising"""
+    floor: float = 0.1
+    """smallest weight a suppressed token can get, before renormalising"""
+    amplify: bool = True
+    """ablation switch: boost tokens above the tau-quantile"""
+    suppress: bool = True
+    """ablation switch: shrink tokens below the tau-quantile"""
+    preserve_mass: bool = True
+    """ablation switch: renormalise so each sequence's summed token advantage equals GRPO's"""
+    outcome: str = "mean"
+    """what "the final answer" is: single (AS-SINGLE), mean (AS-MEAN, default), joint (AS-JOINT)"""
+    objective: str = "noisy_kl"
+    """OAR-G objective: noisy_kl (reference: D(clean || noisy) under embedding noise) or loglik
+    (gradient of the answer log-likelihood itself: noise-free, no clean pass)"""
+    saliency: str = "grad_x_input"
+    """OAR-G saliency: grad_x_input |<dJ/de_t, e_t>| (reference code) or grad_norm ||dJ/de_t||_2"""
+    noise_std: float = 0.2
+    """scale of the Gaussian noise added to reasoning-token embeddings (objective=noisy_kl): its ratio
+    to each token's embedding RMS (``noise_relative=true``, default), or its std (the reference code:
+    ``noise_relative=false noise_std=1e-3``)"""
+    noise_relative: bool = True
+    """scale each token's noise by its own embedding's RMS (``noise_std`` is a noise-to-signal ratio,
+    the same perturbation on any model and in bf16); the default was chosen by measuring bf16 vs fp32
+    importance, see docs/configuration.md"""
+    perturb_mode: str = "exact"
+    """OAR-P occlusion unit: exact (each reasoning token: the paper's OAR-P), chunk (at most
+    ``perturb_budget`` contiguous chunks per response) or line (reasoning steps split at line breaks,
+    merged into at most ``perturb_budget`` groups); every token of a span gets the span's importance"""
+    perturb_budget: int = 16
+    """OAR-P: K, the most occluded copies per response in chunk and line modes (cost grows with K,
+    not with the response length)"""
+    perturb_token_id: int = -1
+    """OAR-P: the token an occluded token is replaced by; -1 = the tokenizer's pad token (else eos)"""
+    perturb_max_tokens: int = 0
+    """OAR-P: tokens per model call, copies x sequence length; 0 = verl's log-prob budget
+    (``log_prob_max_token_len_per_gpu`` with dynamic batch size, else ``log_prob_micro_batch_size_per_gpu``
+    copies)"""
+    importance_model: str = "actor"
+    """which model scores importance: actor (the rollout/old policy, default) or ref"""
+    seed: int = 0
+    """seed of the embedding noise; mixed with the step so each step draws fresh noise"""
+    fuse_log_prob: bool = True
+    """compute importance inside verl's old-log-prob pass (the clean forward is shared; with
+    ``objective=loglik`` the whole pass is) instead of in a pass of its own; ``importance_model=ref``
+    and rollout-correction bypass mode always use a pass of their own"""
+    answer_locator: str = ""
+    """where the final answer is in a response's text: "" (the built-in ``answer_span.find_answer_span``:
+    boxed, "Answer:", "Final Answer", ``####``, "The answer is"), or ``pkg://module.function`` /
+    ``/path/file.py:function`` with its signature (text -> AnswerSpan | None). A reward function that
+    returns ``answer_span`` (``verl_oar.rewards.math_reward`` does) overrides it for the outputs it graded"""
+    no_answer_max_frac: float = 0.5
+    """a step whose ``oar/fallback/frac_no_answer`` exceeds this counts towards stopping the run
+    (those responses keep GRPO's credit: a run of them is GRPO under another name)"""
+    no_answer_patience: int = 3
+    """consecutive such steps before the run stops (``no_answer_action=error``) or warns"""
+    no_answer_action: str = "error"
+    """error (stop the run naming the cause and the fix) or warn (print and log, keep training)"""
+    dump_dir: str = ""
+    """if set, every step's token-level tensors (importance, masks, weights, GRPO and OAR advantages)
+    are saved to ``{dump_dir}/step_{N}.pt`` for inspection (heatmaps, debugging); off by default"""
+
+    def __post_init__(self) -> None:
+        if self.importance_model not in ("actor", "ref"):
+            raise ValueError(
+                f"algorithm.oar.importance_model={self.importance_model!r} is not valid: use 'actor' "
+                "(the policy that produced the rollout, default) or 'ref' (the reference model)."
+            )
+        # Build the sub-configs once so their own validation runs at start-up.
+        self.reshape_config()
+        self.gradient_config()
+        self.perturbation_config()
+        if not isinstance(self.perturb_token_id, int) or self.perturb_token_id < -1:
+            raise ValueError(
+                f"algorithm.oar.perturb_token_id={self.perturb_token_id!r} is invalid: a token id, or -1 for "
+                "the tokenizer's pad token."
+            )
+        if not isinstance(self.answer_locator, str):
+            raise ValueError(
+                f"algorithm.oar.answer_locator={self.answer_locator!r} is invalid: '' (built-in) or "
+                "'pkg://module.function' or '/path/file.py:function'."
+            )
+        frac = self.no_answer_max_frac
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+            raise ValueError(f"algorithm.oar.no_answer_max_frac={frac!r} is invalid: a fraction in [0, 1].")
+        if isinstance(self.no_answer_patience, bool) or not isinstance(self.no_answer_patience, int) \
+                or self.no_answer_patience < 1:
+            raise ValueError(
+                f"algorithm.oar.no_answer_patience={self.no_answer_patience!r} is invalid: consecutive steps, an integer >= 1."
+            )
+        if self.no_answer_action not in ("error", "warn"):
+            raise ValueError(
+                f"algorithm.oar.no_answer_action={self.no_answer_action!r} is invalid: 'error' (stop the run) or 'warn'."
+            )
+        if not isinstance(self.perturb_max_tokens, int) or self.perturb_max_tokens < 0:
+            raise ValueError(
+                f"algorithm.oar.perturb_max_tokens={self.perturb_max_tokens!r} is invalid: tokens per OAR-P "
+                "model call, an integer >= 1, or 0 for verl's log-prob budget."
+            )
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OARConfig":
+        """Read ``algorithm.oar`` from verl's ``algorithm`` config (DictConfig or dict)."""
+        raw = (algorithm or {}).get("oar", None) or {}
+        raw = dict(raw.items())
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - valid)
+        if unknown:
+            raise ValueError(
+                f"Unknown key(s) algorithm.oar.{', algorithm.oar.'.join(unknown)}. "
+                f"Valid keys: {', '.join(sorted(valid))} (see README, 'Configuration')."
+            )
+        return cls(**raw)
+
+    def reshape_config(self) -> ReshapeConfig:
+        return ReshapeConfig(
+            tau=self.tau,
+            beta=self.beta,
+            floor=self.floor,
+            amplify=self.amplify,
+            suppress=self.suppress,
+            preserve_mass=self.preserve_mass,
+        )
+
+    def gradient_config(self) -> GradientConfig:
+        return GradientConfig(
+            outcome=self.outcome, objective=self.objective, saliency=self.saliency, noise_std=self.noise_std,
+            noise_relative=self.noise_relative,
+        )
+
+    def perturbation_config(self, share_prefix: bool = True) -> PerturbationConfig:
+        return PerturbationConfig(
+            outcome=self.outcome, mode=self.perturb_mode, budget=self.perturb_budget, share_prefix=share_prefix
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

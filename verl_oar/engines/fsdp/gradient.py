@@ -1,0 +1,147 @@
+"""OAR-G on one micro-batch of verl's FSDP / FSDP2 engine.
+
+verl extension points: ``engine.prepare_model_inputs`` (packing with ``use_remove_padding`` on or
+off), ``engine.prepare_model_outputs`` (log-probs when fused with the old-log-prob pass) and
+``engine.module``; checked against verl 0.9.1. It mirrors ``FSDPEngine.forward_backward_batch`` but
+differentiates the outcome objective with respect to the *input embeddings only*
+(``torch.autograd.grad``): no parameter gradient is computed or accumulated, no optimizer state is touched.
+A micro-batch with nothing to score makes no model call (``gradient_importance_in_forward`` returns
+zeros); that is safe with several DP ranks because the driver runs on unsharded FSDP2 parameters
+(``engines.fsdp.unshard``): forwards and this backward issue no collective.
+
+Layouts: inside a micro-batch the engine either packs rows into (1, total_nnz [+pad]) or pads them
+to (bs, max_len); every per-position mask below is built in that same layout, with ``segment``
+naming the sample each position belongs to (-1 on padding).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from verl_oar.core.config import OARConfig
+from verl_oar.engines.inputs import PREDICT, REASONING, autocast_context, nested
+from verl_oar.core.gradient import gradient_importance_in_forward
+from verl_oar.core.hf import OutcomeHead
+from verl_oar.core.noise import layout_noise
+
+
+def _layout(micro_batch: TensorDict, output_args: dict, use_remove_padding: bool):
+    """Functions that move per-sample rows into the layout the engine feeds the model, and back.
+
+    Returns (to_layout, unlayout, targets, segment): ``to_layout(rows, fill)`` maps a list of
+    per-sample (len_i, ...) tensors to (rows, cols, ...); ``unlayout(x)`` maps (rows, cols) back to a
+    nested (bs, seq_len) tensor; ``targets`` (rows, cols) long is the next input id of each position;
+    ``segment`` (rows, cols) long is the sample of each position, -1 on padding.
+    """
+    input_ids = micro_batch["input_ids"]
+    offsets = input_ids.offsets()
+    lengths = offsets.diff()
+    bs = lengths.numel()
+    ids = list(input_ids.unbind())
+    if use_remove_padding:
+        pad = int(output_args.get("pad_size", 0))
+        nnz = int(offsets[-1])
+
+        def to_layout(rows, fill):
+            flat = torch.cat(list(rows))
+            return torch.cat([flat, flat.new_full((pad, *flat.shape[1:]), fill)]).unsqueeze(0)
+
+        def unlayout(x):
+            return torch.nested.nested_tensor_from_jagged(x[0, :nnz], offsets)
+
+        targets = output_args["input_ids_rmpad_rolled"].reshape(1, -1)
+    else:
+
+        def to_layout(rows, fill):
+            return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=fill)
+
+        def unlayout(x):
+            return nested([x[i, : int(n)] for i, n in enumerate(lengths.tolist())])
+
+        padded_ids = to_layout(ids, 0)
+        targets = torch.zeros_like(padded_ids)
+        targets[:, :-1] = padded_ids[:, 1:]
+    segment = to_layout([torch.full((int(n),), i, dtype=torch.long) for i, n in enumerate(lengths.tolist())], -1)
+    return to_layout, unlayout, targets, segment.to(targets.device)
+
+
+def gradient_micro_batch(
+    engine, micro_batch: TensorDict, cfg: OARConfig, step: int, with_log_probs: bool
+) -> tuple[torch.Tensor, dict | None]:
+    """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens.
+
+    With ``with_log_probs`` the pass also yields verl's log-prob outputs (``log_probs``, and
+    ``entropy`` if the batch asks for it, nested (bs, seq_len)), exactly as verl's ``forward_step``
+    computes them: the same model call and the engine's ``prepare_model_outputs``, both inside the
+    engine's autocast context. The old-log-prob pass and importance share one clean forward
+    (``noisy_kl``) or the whole pass (``loglik``).
+
+    Every pass computes the outcome logits the same way (:class:`OutcomeHead` on the final hidden
+    states at the predicting positions), so that with zero noise the clean and the noisy outcome are
+    bit-identical: J = 0 and dJ/de = 0 exactly, in bf16 as in fp32.
+    """
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id
+
+    micro_batch = micro_batch.to(get_device_id())
+    model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
+    use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+    to_layout, unlayout, targets, segment = _layout(micro_batch, output_args, use_rmpad)
+    reasoning = to_layout(micro_batch[REASONING].unbind(), 0).bool()
+    predict = to_layout(micro_batch[PREDICT].unbind(), 0).bool()
+    noise = None
+    if cfg.objective == "noisy_kl":
+        hidden = engine.model_config.hf_config.hidden_size
+        noise = layout_noise(micro_batch["input_ids"].unbind(), micro_batch[REASONING].unbind(), reasoning,
+                             hidden, cfg.seed, step)
+    temp = _temperatures(micro_batch, segment, predict)
+    head = OutcomeHead(engine.module, predict, temp, autocast_context(engine))
+    outputs: dict = {}
+
+    def log_prob_outputs(raw) -> dict:
+        """verl's forward_step post-processing of the model output (inside the engine's autocast)."""
+        with torch.no_grad(), autocast_context(engine):
+            return engine.prepare_model_outputs(raw, output_args, micro_batch, logits_processor_func=None)
+
+    def forward(transform):
+        """The model with input embeddings replaced by ``transform(clean)``: (N, V) float32
+        outcome logits at the predicting positions, divided by the temperature."""
+        fused_here = with_log_probs and cfg.objective == "loglik" and not outputs
+        raw, logits = head.run(model_inputs, transform, full_logits=fused_here)
+        if fused_here:  # loglik: this pass is the old-log-prob pass
+            outputs.update(log_prob_outputs(raw))
+        return logits
+
+    clean_logits = None
+    if with_log_probs and cfg.objective == "noisy_kl":  # the clean pass is the old-log-prob pass
+        with torch.no_grad():
+            raw, clean_logits = head.run(model_inputs, None, full_logits=True)
+            outputs.update(log_prob_outputs(raw))
+            del raw
+
+    importance = gradient_importance_in_forward(
+        forward,
+        reasoning_mask=reasoning,
+        predict_mask=predict,
+        targets=targets,
+        segment=segment,
+        num_segments=int(micro_batch["input_ids"].offsets().numel() - 1),
+        cfg=cfg.gradient_config(),
+        noise=noise,
+        clean_logits=clean_logits,
+    )
+    if with_log_probs and not outputs:  # nothing to differentiate: no forward ran yet
+        with torch.no_grad():
+            raw, _ = head.run(model_inputs, None, full_logits=True)
+            outputs.update(log_prob_outputs(raw))
+    log_probs = {k: v.detach().cpu() for k, v in outputs.items()} if with_log_probs else None
+    return unlayout(importance.detach().float().cpu()), log_probs
+
+
+def _temperatures(micro_batch: TensorDict, segment: torch.Tensor, predict: torch.Tensor) -> torch.Tensor | float:
+    """The rollout temperature of each predicting position, (N, 1) float32, or one float."""
+    temperature = micro_batch["temperature"]
+    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
+        return temperature.to(torch.float32)[segment.clamp(min=0)][predict].unsqueeze(-1)
+    return float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)

@@ -1,0 +1,533 @@
+"""OAR token-importance heatmap of any response, from any Hugging Face causal LM and its tokenizer.
+
+    python -m verl_oar.tools.heatmap --model PATH (--prompt TEXT --response TEXT | --rollouts FILE [--rows 0,3,5]
+        [--prompt-key K] [--response-key K]) [--estimators oar_g,oar_p] [--oar-p-mode exact|chunk|line]
+        [--oar-p-budget 16] [--neutral pad|space|ID] [--oracle chain_sum] [--chat-template | --no-chat-template]
+        [--temperature 1.0] [--seed 0] [--out DIR] [--dtype float32|bfloat16] [--device cpu|cuda]
+
+Writes ``heatmap_<row>.png`` per response, ``heatmap.html`` with all of them and ``heatmap.json``
+(tokens, masks, every estimator's scores and OAR weights) to ``--out``, and prints the paths.
+
+Steps, per response, in the order they run:
+
+1. prompt ids: a chat message list (verl's RL parquet) goes through the tokenizer's chat template
+   with ``add_generation_prompt=True``, then ``encode(add_special_tokens=False)``, as verl's dataset
+   does; a text prompt too when the tokenizer has a template (``--no-chat-template``: the raw text,
+   ``encode`` with the tokenizer's own special tokens). Response ids: ``encode(response,
+   add_special_tokens=False)``. The sequence is prompt ids + response ids, positions 0..L-1.
+2. reasoning and answer tokens: ``verl_oar.core.answer_span.locate_answer_tokens`` on the response ids
+   (what the training worker uses); a response with no answer is reported and skipped. A position
+   predicts the answer when its next token is an answer token.
+3. OAR-G (``importance.gradient.gradient_importance`` with ``GradientConfig()``: AS-MEAN, noisy KL,
+   grad x input; noise drawn from a generator seeded with ``--seed``; clean logits from a no-grad
+   forward) and OAR-P (``importance.perturbation.perturbation_importance``, AS-MEAN, with
+   ``HFPrefixModel``), logits divided by ``--temperature`` as the worker divides by the rollout's.
+4. OAR weights (``reshape.importance_to_weights`` with ``OARConfig()``'s reshape defaults) of each
+   estimator's importance: what training would multiply the response's GRPO advantage by.
+5. ``--oracle chain_sum``: the testbed's causal-token oracle (``testbed.chain_sum.oracle_token_masks``).
+
+Departures from a training step, stated:
+
+1. The response is re-tokenised from its text, so its ids can differ from the sampled ones where
+   a tokenizer has several encodings of one text. verl's rollout dump (``trainer.rollout_data_dir``,
+   keys ``input`` / ``output``) decodes with ``skip_special_tokens=True``: its ``input`` is the
+   prompt after the chat template minus the special tokens, so it is tokenised as raw text (the
+   template is not applied again) and the role markers the policy saw are missing.
+2. OAR-G's noise comes from one generator seeded with ``--seed``, not from the worker's per-sequence
+   draws of (seed, step, tokens): the same sequence gets other noise than in training.
+3. The OAR-P neutral token defaults to the worker's (the pad token, else eos); ``space`` occludes
+   with a space, as the testbed's quality report does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from verl_oar.core.answer_locator import load_answer_locator
+from verl_oar.core.answer_span import decode_with_offsets, line_break_tokens, locate_answer_tokens
+from verl_oar.core.config import OARConfig
+from verl_oar.core.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
+from verl_oar.core.hf import HFPrefixModel, can_share_prefix
+from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
+from verl_oar.core.reshape import Fallback, importance_to_weights
+
+__all__ = ["ESTIMATORS", "HeatmapInputError", "Sample", "main", "make_sample", "oar_g_importance",
+           "oar_p_importance", "oar_weights", "read_rollouts"]
+
+ESTIMATORS = ("oar_g", "oar_p")
+PROMPT_KEYS = ("prompt", "input")
+"""tried in order when --prompt-key is not given: a generic file, then verl's rollout dump"""
+RESPONSE_KEYS = ("response", "output")
+DUMP_PROMPT_KEY = "input"
+"""verl's rollout dump: the prompt already went through the chat template (departure 1)"""
+DEFAULT_ROWS = 8
+"""rows drawn from a rollouts file without --rows: the first ones"""
+
+
+class HeatmapInputError(ValueError):
+    """Bad input to the heatmap (file, key, row, response); the message names the problem and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. Inputs: rollouts file, prompt and response ids, answer masks
+# ---------------------------------------------------------------------------------------------------
+
+
+def _read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise HeatmapInputError(
+            f"--rollouts {path}: no such file. Give the path of a .parquet or .jsonl rollouts file."
+        )
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        return pd.read_parquet(path).to_dict("records")
+    if path.suffix in (".jsonl", ".json"):
+        records = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise HeatmapInputError(f"--rollouts {path}: line {number} is not JSON ({err.msg}); "
+                                            "expected one JSON object per line (jsonl).") from None
+        return records
+    raise HeatmapInputError(f"--rollouts {path}: unknown format {path.suffix!r}; use a .parquet or .jsonl file.")
+
+
+def _pick_key(records: list[dict], given: str | None, candidates: Sequence[str], flag: str, path: Path) -> str:
+    available = sorted(records[0]) if records else []
+    for key in [given] if given else candidates:
+        if key in available:
+            return key
+    tried = repr(given) if given else " / ".join(repr(k) for k in candidates)
+    raise HeatmapInputError(
+        f"--rollouts {path}: no column {tried}; available keys: {', '.join(available) or 'none'}. "
+        f"Name the column with {flag}."
+    )
+
+
+def read_rollouts(
+    path: str | Path, rows: Sequence[int] | None, prompt_key: str | None = None, response_key: str | None = None
+) -> tuple[list[tuple[int, Any, Any]], str]:
+    """The selected rows of a rollouts file as ``(row, prompt, response)``, and the prompt key used.
+
+    ``prompt`` is a string or a chat message list; ``rows`` None means the first :data:`DEFAULT_ROWS`.
+    Raises :class:`HeatmapInputError` for a missing file, an unknown format, a missing key or a row
+    out of range.
+    """
+    path = Path(path)
+    records = _read_records(path)
+    if not records:
+        raise HeatmapInputError(f"--rollouts {path}: the file has no rows.")
+    p_key = _pick_key(records, prompt_key, PROMPT_KEYS, "--prompt-key", path)
+    r_key = _pick_key(records, response_key, RESPONSE_KEYS, "--response-key", path)
+    chosen = list(range(min(DEFAULT_ROWS, len(records)))) if rows is None else list(rows)
+    bad = [r for r in chosen if not 0 <= r < len(records)]
+    if bad:
+        raise HeatmapInputError(
+            f"--rows {','.join(map(str, bad))}: out of range, {path} has {len(records)} rows (0..{len(records) - 1})."
+        )
+    return [(r, records[r][p_key], records[r][r_key]) for r in chosen], p_key
+
+
+def _messages(prompt: Any) -> list[dict] | None:
+    """A chat message list (verl's RL format; numpy arrays from parquet included), else None."""
+    if isinstance(prompt, str) or not hasattr(prompt, "__len__"):
+        return None
+    items = list(prompt)
+    if items and all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
+        return [{"role": m["role"], "content": m["content"]} for m in items]
+    return None
+
+
+def prompt_token_ids(tokenizer, prompt: Any, chat_template: bool) -> tuple[str, list[int], bool]:
+    """(prompt text as tokenised, its ids, whether the chat template was applied).
+
+    A message list always goes through the chat template; a string only when ``chat_template`` and
+    the tokenizer has one.
+    """
+    messages = _messages(prompt)
+    if messages is None and not isinstance(prompt, str):
+        raise HeatmapInputError(f"the prompt is a {type(prompt).__name__}, not a string or a list of "
+                                "{'role', 'content'} messages")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if messages is not None and not has_template:
+        raise HeatmapInputError("the prompt is a chat message list but the tokenizer has no chat template; "
+                                "give the prompt as text")
+    if messages is None and not (chat_template and has_template):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True), False
+    messages = messages or [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, tokenizer.encode(text, add_special_tokens=False), True
+
+
+@dataclass
+class Sample:
+    """One response to score: ids of prompt and response, and the response's masks (T tokens)."""
+
+    row: int
+    prompt_text: str
+    response_text: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reasoning: list[bool]
+    """(T,) tokens before the answer marker: the ones OAR scores and reshapes"""
+    answer: list[bool]
+    """(T,) tokens overlapping the answer content"""
+    chat_template: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ids(self) -> Tensor:
+        """(L,) long, prompt + response."""
+        return torch.tensor(self.prompt_ids + self.response_ids, dtype=torch.long)
+
+    def full_masks(self) -> tuple[Tensor, Tensor]:
+        """(reasoning, predict), each (L,) bool over prompt + response: the reasoning tokens, and the
+        positions whose next token is an answer token."""
+        p = len(self.prompt_ids)
+        reasoning = torch.tensor([False] * p + self.reasoning)
+        answer = torch.tensor([False] * p + self.answer)
+        predict = torch.zeros_like(answer)
+        predict[:-1] = answer[1:]
+        return reasoning, predict
+
+
+def make_sample(row: int, prompt: Any, response: Any, tokenizer, chat_template: bool, locator=None) -> Sample:
+    """Tokenise one (prompt, response) and locate its answer (``locator``: training's
+    ``algorithm.oar.answer_locator``, default the built-in); :class:`HeatmapInputError` if it has none."""
+    if not isinstance(response, str) or not response:
+        raise HeatmapInputError(f"the response is {response!r}, not a non-empty string")
+    prompt_text, prompt_ids, templated = prompt_token_ids(tokenizer, prompt, chat_template)
+    response_ids = tokenizer.encode(response, add_special_tokens=False)
+    located = locate_answer_tokens(response_ids, tokenizer, locator)
+    if located is None:
+        raise HeatmapInputError(
+            "no final answer found in the response (no \\boxed{...}, 'Answer:' / 'Final Answer' line, '####' or "
+            "'The answer is'; or none from --answer-locator); OAR has nothing to ground importance on and "
+            "training keeps GRPO's credit for it"
+        )
+    reasoning, answer = located
+    sample = Sample(row, prompt_text, response, prompt_ids, response_ids, reasoning, answer, templated)
+    if not any(reasoning):
+        sample.notes.append("no reasoning token before the answer marker: every importance is 0")
+    if not prompt_ids and answer[0]:
+        sample.notes.append("empty prompt: the first answer token has no predicting position")
+    return sample
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Importance and weights of one sample, (T,) over its response tokens
+# ---------------------------------------------------------------------------------------------------
+
+
+def oar_g_importance(model, sample: Sample, cfg: GradientConfig, seed: int, temperature: float = 1.0) -> Tensor:
+    """OAR-G importance (T,) float32 of the response tokens, 0 off the reasoning tokens (one sequence,
+    as ``testbed.quality.oar_g_scores``)."""
+    device = model.get_input_embeddings().weight.device
+    ids = sample.ids.to(device)[None]
+    reasoning, predict = (m.to(device)[None] for m in sample.full_masks())
+    hf_logits = make_hf_logits_fn(model, attention_mask=torch.ones_like(ids))
+
+    def logits_fn(embeds: Tensor) -> Tensor:
+        return hf_logits(embeds).float() / temperature
+
+    embeds = model.get_input_embeddings()(ids).detach()
+    full = gradient_importance(
+        logits_fn, embeds, reasoning, predict, torch.roll(ids, -1, dims=1), torch.zeros_like(ids), 1, cfg,
+        generator=torch.Generator().manual_seed(seed),
+    )  # clean_logits=None: gradient_importance runs the clean pass itself, under no_grad
+    return full[0, len(sample.prompt_ids):].cpu()
+
+
+def oar_p_importance(
+    model, sample: Sample, cfg: PerturbationConfig, neutral_id: int, max_tokens: int, tokenizer,
+    temperature: float = 1.0,
+) -> Tensor:
+    """OAR-P importance (T,) float32 of the response tokens, 0 off the reasoning tokens (as
+    ``testbed.quality.oar_p_scores`` for one sequence)."""
+    device = model.get_input_embeddings().weight.device
+    ids = sample.ids.to(device)
+    reasoning, predict = (m.to(device) for m in sample.full_masks())
+    line_end = None
+    if cfg.mode == "line":
+        line_end = torch.tensor([False] * len(sample.prompt_ids) + line_break_tokens(sample.response_ids, tokenizer))
+    span = occlusion_spans(reasoning, cfg.mode, cfg.budget, None if line_end is None else line_end.to(device))
+    full, _ = perturbation_importance(
+        HFPrefixModel(model), ids, torch.arange(ids.numel(), device=device), span, predict, neutral_id, cfg,
+        max_tokens=max_tokens, temperature=temperature,
+    )
+    return full[len(sample.prompt_ids):].cpu()
+
+
+def oar_weights(importance: Tensor, reasoning: Sequence[bool], cfg: OARConfig) -> tuple[list[float], str]:
+    """OAR token weights (T,) of one response (1.0 off the reasoning tokens) and the fallback's
+    name (``NONE`` when the row is reshaped)."""
+    result = importance_to_weights(
+        importance[None].float(), torch.tensor([list(reasoning)]), cfg.reshape_config(),
+        answer_found=torch.tensor([True]),
+    )
+    return result.weights[0].tolist(), Fallback(int(result.fallback[0])).name
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. CLI
+# ---------------------------------------------------------------------------------------------------
+
+
+def _parse_rows(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise HeatmapInputError(f"--rows {text!r}: expected comma-separated row numbers, e.g. --rows 0,3,5") from None
+
+
+def _parse_estimators(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in ESTIMATORS]
+    if unknown or not names:
+        raise HeatmapInputError(f"--estimators {text!r}: choose from {', '.join(ESTIMATORS)} (comma-separated)")
+    return list(dict.fromkeys(names))
+
+
+def neutral_id(tokenizer, choice: str) -> int:
+    """The OAR-P occlusion token: ``pad`` (the worker's default: pad, else eos), ``space`` or an id."""
+    if choice == "pad":
+        from verl_oar.engines.driver import neutral_token_id
+
+        return neutral_token_id(OARConfig(), tokenizer)
+    if choice == "space":
+        ids = tokenizer.encode(" ", add_special_tokens=False)
+        if len(ids) != 1:
+            raise HeatmapInputError(f"--neutral space: a space is {len(ids)} tokens for this tokenizer; give an id")
+        return ids[0]
+    if choice.isdigit() and int(choice) < len(tokenizer):
+        return int(choice)
+    raise HeatmapInputError(f"--neutral {choice!r}: use pad, space or a token id below {len(tokenizer)}")
+
+
+def token_texts(response_ids: Sequence[int], tokenizer) -> list[str]:
+    """The text each response token produced (special tokens included)."""
+    text, offsets = decode_with_offsets(response_ids, tokenizer, skip_special_tokens=False)
+    return [text[start:end] for start, end in offsets]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m verl_oar.tools.heatmap", description=__doc__.splitlines()[0])
+    source = parser.add_argument_group("what to score")
+    source.add_argument("--model", required=True,
+                        help="Hugging Face causal LM directory (or hub id) with its tokenizer")
+    source.add_argument("--prompt", help="prompt text (chat template applied unless --no-chat-template)")
+    source.add_argument("--response", help="response text as generated")
+    source.add_argument("--rollouts", help="a .parquet or .jsonl file of rollouts")
+    source.add_argument("--rows", help=f"comma-separated rows of --rollouts (default: the first {DEFAULT_ROWS})")
+    source.add_argument("--prompt-key", help=f"prompt column (default: {' then '.join(PROMPT_KEYS)})")
+    source.add_argument("--response-key", help=f"response column (default: {' then '.join(RESPONSE_KEYS)})")
+    source.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                        help="apply the tokenizer's chat template to a text prompt (default: yes, except for "
+                             "verl's rollout dump key 'input', already templated); message lists always are")
+    method = parser.add_argument_group("estimators")
+    method.add_argument("--estimators", default="oar_g,oar_p", help="comma-separated: oar_g, oar_p")
+    method.add_argument("--oar-p-mode", choices=("exact", "chunk", "line"), default="exact")
+    method.add_argument("--oar-p-budget", type=int, default=16, help="K spans in chunk / line mode")
+    method.add_argument("--oar-p-max-tokens", type=int, default=8192, help="tokens per OAR-P model call")
+    method.add_argument("--neutral", default="pad", help="OAR-P occlusion token: pad, space or a token id")
+    method.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (logits are divided by it)")
+    method.add_argument("--seed", type=int, default=0, help="seed of OAR-G's embedding noise")
+    method.add_argument("--oracle", choices=("chain_sum",), help="also draw the chain_sum testbed's oracle masks")
+    method.add_argument("--answer-locator", default="", metavar="SPEC",
+                        help="the run's algorithm.oar.answer_locator (pkg://module.function or file.py:function); "
+                             "default: the built-in")
+    run = parser.add_argument_group("output and hardware")
+    run.add_argument("--out", default="oar_heatmap", help="output directory")
+    run.add_argument("--wrap", type=int, default=48, help="tokens per line in the figures")
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    return parser
+
+
+def _inputs(args) -> tuple[list[tuple[int, Any, Any]], bool]:
+    """(row, prompt, response) to score and whether text prompts get the chat template."""
+    if args.rollouts is None:
+        if args.prompt is None or args.response is None:
+            raise HeatmapInputError("give --prompt TEXT and --response TEXT, or --rollouts FILE")
+        if args.rows or args.prompt_key or args.response_key:
+            raise HeatmapInputError("--rows / --prompt-key / --response-key only apply to --rollouts")
+        return [(0, args.prompt, args.response)], args.chat_template is not False
+    if args.prompt is not None or args.response is not None:
+        raise HeatmapInputError("give either --prompt/--response or --rollouts, not both")
+    items, p_key = read_rollouts(args.rollouts, _parse_rows(args.rows), args.prompt_key, args.response_key)
+    default = p_key != DUMP_PROMPT_KEY  # verl's dump is already templated (departure 1)
+    return items, default if args.chat_template is None else args.chat_template
+
+
+def _load_model(path: str, dtype: str, device: str | None):
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise HeatmapInputError("--device cuda: no CUDA device is available; use --device cpu")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as err:
+        raise HeatmapInputError(f"--model {path}: cannot load a causal LM ({err})") from None
+    return model.to(device).eval()
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise HeatmapInputError(f"--model {path}: cannot load its tokenizer ({err}); give a model directory "
+                                "that holds the tokenizer files") from None
+
+
+def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], neutral: int) -> dict:
+    """Everything the JSON holds about one sample."""
+    oar = OARConfig()
+    record: dict[str, Any] = {
+        "row": sample.row, "prompt": sample.prompt_text, "response": sample.response_text,
+        "chat_template": sample.chat_template, "prompt_ids": sample.prompt_ids, "response_ids": sample.response_ids,
+        "tokens": token_texts(sample.response_ids, tokenizer), "reasoning": sample.reasoning, "answer": sample.answer,
+        "answer_text": tokenizer.decode([t for t, a in zip(sample.response_ids, sample.answer) if a],
+                                        skip_special_tokens=True),
+        "scores": {}, "weights": {}, "fallback": {}, "notes": list(sample.notes),
+    }
+    for name in estimators:
+        if name == "oar_g":
+            importance = oar_g_importance(model, sample, GradientConfig(), args.seed, args.temperature)
+        else:
+            pcfg = PerturbationConfig(outcome="mean", mode=args.oar_p_mode, budget=args.oar_p_budget,
+                                      share_prefix=can_share_prefix(model))
+            importance = oar_p_importance(model, sample, pcfg, neutral, args.oar_p_max_tokens, tokenizer,
+                                          args.temperature)
+        record["scores"][name] = importance.tolist()
+        record["weights"][name], record["fallback"][name] = oar_weights(importance, sample.reasoning, oar)
+    if args.oracle == "chain_sum":
+        from verl_oar.testbed.chain_sum import oracle_token_masks
+
+        masks = oracle_token_masks(sample.response_ids, tokenizer)
+        record["oracle"] = None if masks is None else {"direct": masks.direct.tolist(), "chain": masks.chain.tolist()}
+        if masks is None:
+            record["notes"].append("chain_sum oracle: the reasoning is not a readable chain_sum trace")
+    return record
+
+
+def _title(record: dict, model: str) -> str:
+    prompt = " ".join(record["prompt"].split())
+    reasoning = sum(record["reasoning"])
+    fallback = ", ".join(f"{k}: {v}" for k, v in record["fallback"].items() if v != "NONE")
+    lines = [f"row {record['row']} | {model} | {reasoning} reasoning tokens | answer {record['answer_text']!r}"
+             + (f" | fallback {fallback}" if fallback else ""),
+             f"prompt: {prompt if len(prompt) <= 120 else '…' + prompt[-119:]}"]
+    return "\n".join(lines + [f"note: {n}" for n in record["notes"]])
+
+
+def _figure_rows(record: dict, estimators: list[str]):
+    """(rows, weights, masks) for heatmap_render: scores, the first estimator's weights, masks."""
+    rows = [(name, record["scores"][name]) for name in estimators]
+    weights = [(f"w~ {estimators[0]}", record["weights"][estimators[0]])]
+    masks = [("reasoning", record["reasoning"]), ("answer", record["answer"])]
+    if record.get("oracle"):
+        masks += [("oracle direct", record["oracle"]["direct"]), ("oracle chain", record["oracle"]["chain"])]
+    return rows, weights, masks
+
+
+def write_outputs(report: dict, out: Path, wrap: int) -> None:
+    """heatmap_<row>.png, heatmap.html and heatmap.json in ``out``; their paths go into ``report["files"]``."""
+    from verl_oar.tools.heatmap_render import html_block, html_page, render_png
+
+    out.mkdir(parents=True, exist_ok=True)
+    estimators = report["config"]["estimators"]
+    pngs, blocks = [], []
+    for record in report["rows"]:
+        rows, weights, masks = _figure_rows(record, estimators)
+        model = report["model"] if len(report["model"]) <= 60 else "…" + report["model"][-59:]
+        title = _title(record, model)
+        png = out / f"heatmap_{record['row']}.png"
+        render_png(png, record["tokens"], rows, masks, title=title, wrap=wrap, weights=weights)
+        blocks.append(html_block(record["tokens"], rows, masks, title, weights=weights, wrap=wrap))
+        pngs.append(str(png))
+    report["files"] = {"png": pngs, "html": str(out / "heatmap.html"), "json": str(out / "heatmap.json")}
+    Path(report["files"]["html"]).write_text(html_page(blocks, f"OAR token importance: {report['model']}"),
+                                             encoding="utf-8")
+    Path(report["files"]["json"]).write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+def run(args) -> dict:
+    """Score, draw and write; returns the JSON content. Raises :class:`HeatmapInputError` on bad input."""
+    estimators = _parse_estimators(args.estimators)
+    if args.oar_p_budget < 1 or args.oar_p_max_tokens < 1 or not args.temperature > 0:
+        raise HeatmapInputError("--oar-p-budget and --oar-p-max-tokens must be >= 1 and --temperature > 0")
+    items, chat_template = _inputs(args)  # file, keys and rows are checked before any model is loaded
+    tokenizer = _load_tokenizer(args.model)
+    neutral = neutral_id(tokenizer, args.neutral) if "oar_p" in estimators else None
+    try:
+        locator = load_answer_locator(args.answer_locator)
+    except ValueError as err:
+        raise HeatmapInputError(str(err)) from None
+    samples, skipped = [], []
+    for row, prompt, response in items:
+        try:
+            samples.append(make_sample(row, prompt, response, tokenizer, chat_template, locator))
+        except HeatmapInputError as err:
+            skipped.append({"row": row, "reason": str(err)})
+            print(f"verl_oar.tools.heatmap: row {row} skipped: {err}", file=sys.stderr)
+    if not samples:
+        raise HeatmapInputError(
+            f"no response could be scored ({len(skipped)} skipped): " + "; ".join(
+                f"row {s['row']}: {s['reason']}" for s in skipped
+            )
+        )
+    model = _load_model(args.model, args.dtype, args.device)
+    with torch.no_grad():  # OAR-G re-enables grad for its own pass
+        records = [score_sample(model, tokenizer, s, args, estimators, neutral) for s in samples]
+    report = {
+        "model": args.model,
+        "config": {
+            "estimators": estimators, "oar_p_mode": args.oar_p_mode, "oar_p_budget": args.oar_p_budget,
+            "neutral": args.neutral, "neutral_id": neutral, "temperature": args.temperature, "seed": args.seed,
+            "oracle": args.oracle, "dtype": args.dtype, "device": str(next(model.parameters()).device),
+            "gradient": asdict(GradientConfig()), "reshape": asdict(OARConfig().reshape_config()),
+        },
+        "rows": records,
+        "skipped": skipped,
+    }
+    write_outputs(report, Path(args.out), args.wrap)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """The CLI, callable in-process: returns the JSON content; bad input exits with its message."""
+    from verl_oar.tools.heatmap_render import MissingMatplotlib, require_matplotlib
+
+    args = build_parser().parse_args(argv)
+    try:
+        require_matplotlib("python -m verl_oar.tools.heatmap's PNG heatmaps")  # before any model is loaded
+    except MissingMatplotlib as err:
+        raise SystemExit(f"verl_oar.tools.heatmap: {err}") from None
+    try:
+        report = run(args)
+    except HeatmapInputError as err:
+        raise SystemExit(f"verl_oar.tools.heatmap: {err}") from None
+    for path in [*report["files"]["png"], report["files"]["html"], report["files"]["json"]]:
+        print(path)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
