@@ -88,7 +88,8 @@ def hf_reference(model_dir: str, tokenizer, prompts, responses, oar: dict, step:
 
     from verl_oar.core.answer_span import locate_answer_tokens
     from verl_oar.core.config import OARConfig
-    from verl_oar.core.gradient import gradient_importance, make_hf_logits_fn
+    from verl_oar.core.gradient import gradient_importance
+    from verl_oar.core.hf import make_hf_logits_fn
     from verl_oar.core.noise import sequence_noise
 
     cfg = OARConfig(**oar)

@@ -16,8 +16,8 @@ from verl_oar.core.gradient import (
     GradientConfig,
     gradient_importance,
     gradient_importance_in_forward,
-    make_hf_logits_fn,
 )
+from verl_oar.core.hf import make_hf_logits_fn
 from verl_oar.core.outcome import padded_predicting_positions
 from verl_oar.core.reshape import Fallback, ReshapeConfig, importance_to_weights
 

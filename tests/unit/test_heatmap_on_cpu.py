@@ -14,8 +14,8 @@ import torch
 from verl_oar.core.answer_span import locate_answer_tokens
 from verl_oar.tools.heatmap import main
 from verl_oar.tools.heatmap_render import html_block, render_png
-from verl_oar.core.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
-from verl_oar.core.hf import HFPrefixModel
+from verl_oar.core.gradient import GradientConfig, gradient_importance
+from verl_oar.core.hf import HFPrefixModel, make_hf_logits_fn
 from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
 from verl_oar.testbed.chain_sum import oracle_token_masks
 
@@ -24,6 +24,8 @@ RESPONSE = "3 ok hmm +7=10 so well +2=12 \\boxed{12}"
 REASONING_TEXT = "3 ok hmm +7=10 so well +2=12 "
 """one token per character with the byte tokenizer: the reasoning tokens, up to the marker"""
 SEED = 3
+ORACLE = "verl_oar.testbed.chain_sum:heatmap_oracle"
+"""the testbed's oracle, passed in by name (the heatmap never imports the testbed)"""
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -65,7 +67,7 @@ def loaded(model_dir):
 @pytest.fixture(scope="module")
 def prompt_run(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("heatmap_out")
-    report = main(["--model", str(model_dir), "--prompt", PROMPT, "--response", RESPONSE, "--oracle", "chain_sum",
+    report = main(["--model", str(model_dir), "--prompt", PROMPT, "--response", RESPONSE, "--oracle", ORACLE,
                    "--seed", str(SEED), "--device", "cpu", "--out", str(out)])
     return report, out
 
@@ -124,7 +126,7 @@ def test_scores_equal_direct_calls(prompt_run, loaded):
                                        tokenizer.pad_token_id, PerturbationConfig(), max_tokens=8192)
     for name, expected in (("oar_g", oar_g), ("oar_p", oar_p[p:])):
         got = torch.tensor(row["scores"][name])
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0.0, msg=name)
+        assert torch.equal(got, expected.float()), name  # the same computation: bit for bit
         mask = torch.tensor(row["reasoning"])
         assert (got[~mask] == 0).all() and (got[mask] > 0).any(), name
     config = prompt_run[0]["config"]
@@ -145,6 +147,22 @@ def test_weights_and_oracle(prompt_run, loaded):
     assert row["oracle"] == {"direct": oracle.direct.tolist(), "chain": oracle.chain.tolist()}
     direct = [t for t, d in zip(row["tokens"], row["oracle"]["direct"]) if d]
     assert direct == ["1", "2"]
+
+
+def test_oracle_is_a_callback(model_dir, tmp_path):
+    """Any oracle(response_ids, tokenizer) is drawn and stored under its own names; None is a note."""
+    seen = []
+
+    def first_token(response_ids, tokenizer):
+        seen.append(list(response_ids))
+        return {"first": [i == 0 for i in range(len(response_ids))]} if len(seen) == 1 else None
+
+    args = ["--model", str(model_dir), "--estimators", "oar_g", "--device", "cpu", "--out", str(tmp_path)]
+    row = main([*args, "--prompt", PROMPT, "--response", RESPONSE], oracle=first_token)["rows"][0]
+    assert seen == [row["response_ids"]]
+    assert row["oracle"] == {"first": [True] + [False] * (len(row["response_ids"]) - 1)}
+    row = main([*args, "--prompt", PROMPT, "--response", RESPONSE], oracle=first_token)["rows"][0]
+    assert row["oracle"] is None and "oracle: none for this response" in row["notes"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,6 +229,8 @@ def rollouts_jsonl(tmp_path):
         (["--prompt", PROMPT, "--response", RESPONSE, "--estimators", "oar_x"], "choose from oar_g, oar_p"),
         (["--prompt", PROMPT, "--response", RESPONSE, "--answer-locator", "pkg://no_such_module_xyz.f"],
          "no_such_module_xyz"),
+        (["--prompt", PROMPT, "--response", RESPONSE, "--oracle", "chain_sum"], "give MODULE:FUNCTION"),
+        (["--prompt", PROMPT, "--response", RESPONSE, "--oracle", "no_such_module_xyz:f"], "cannot load it"),
     ],
 )
 def test_bad_input(model_dir, rollouts_jsonl, capsys, args, message):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +48,6 @@ __all__ = [
     "gradient_importance",
     "embedding_noise",
     "gradient_importance_in_forward",
-    "make_hf_logits_fn",
 ]
 
 OBJECTIVES = ("noisy_kl", "loglik")
@@ -123,7 +121,7 @@ def gradient_importance(
 
     Args:
         logits_fn: inputs_embeds (B, T, H) -> logits (B, T, V); a model forward closing over its
-            attention mask / position ids (see :func:`make_hf_logits_fn`).
+            attention mask / position ids (see :func:`verl_oar.core.hf.make_hf_logits_fn`).
         embeds: (B, T, H) float, the clean input embeddings (detached here). Padded layout: (B, T)
             rows; packed layout: (1, total_nnz). Padding positions may hold anything finite.
         Everything else as in :func:`gradient_importance_in_forward`.
@@ -278,22 +276,6 @@ def embedding_noise(base: Tensor, draws: Tensor, mask: Tensor, cfg: GradientConf
         rms = base.detach().to(draws.dtype).pow(2).mean(dim=-1, keepdim=True).sqrt()
         scale = scale * rms
     return torch.where(mask.unsqueeze(-1), scale, 0.0).to(base.dtype)
-
-
-def make_hf_logits_fn(
-    model: Any, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
-) -> Callable[[Tensor], Tensor]:
-    """A ``logits_fn`` for a plain transformers causal LM: inputs_embeds (B, T, H) -> logits (B, T, V).
-
-    ``attention_mask`` (B, T) 0/1 and ``position_ids`` (B, T) long are passed through unchanged."""
-
-    def logits_fn(inputs_embeds: Tensor) -> Tensor:
-        out = model(
-            inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        )
-        return out.logits
-
-    return logits_fn
 
 
 def _at_predicting_positions(logits: Tensor, predict: Tensor) -> Tensor:

@@ -1,5 +1,7 @@
-"""A transformers causal LM as OAR-P's :class:`~verl_oar.core.perturbation.PrefixModel`, and
-as OAR-G's outcome head (:class:`OutcomeHead`: the outcome logits computed alike in every pass).
+"""A transformers causal LM as OAR-G's ``logits_fn`` (:func:`make_hf_logits_fn`), as OAR-P's
+:class:`~verl_oar.core.perturbation.PrefixModel` (:class:`HFPrefixModel`), as OAR-G's outcome head
+(:class:`OutcomeHead`: the outcome logits computed alike in every pass), and the importance of
+plain HF sequences outside training (:func:`hf_importance`: the heatmap, the testbed, benchmarks).
 
 The clean pass returns its KV cache as per-layer (key, value) tensors of one row; a later call
 slices the first ``past_len`` positions, repeats them for its ``m`` rows, and feeds only the new
@@ -19,6 +21,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from verl_oar.core.gradient import GradientConfig, gradient_importance
+from verl_oar.core.outcome import padded_predicting_positions
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans, perturbation_importance
+
+__all__ = ["HFPrefixModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix", "hf_importance",
+           "make_hf_logits_fn"]
 
 def _unwrapped(module):
     return getattr(module, "module", module)
@@ -39,6 +47,93 @@ def accepts_logits_to_keep(module) -> bool:
         return "logits_to_keep" in inspect.signature(_unwrapped(module).forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def make_hf_logits_fn(
+    model: Any, attention_mask: Tensor | None = None, position_ids: Tensor | None = None, temperature: float = 1.0
+) -> Callable[[Tensor], Tensor]:
+    """A ``logits_fn`` for a plain transformers causal LM: inputs_embeds (B, T, H) -> logits (B, T, V).
+
+    ``attention_mask`` (B, T) 0/1 and ``position_ids`` (B, T) long are passed through unchanged (None
+    included). With ``temperature`` != 1 the logits are float32 divided by it; at 1 they are the
+    model's own (dtype included)."""
+
+    def logits_fn(inputs_embeds: Tensor) -> Tensor:
+        out = model(
+            inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        return out.logits if temperature == 1.0 else out.logits.float() / temperature
+
+    return logits_fn
+
+
+def hf_importance(
+    model: Any,
+    ids: Tensor,
+    reasoning: Tensor,
+    answer: Tensor,
+    cfg: GradientConfig | PerturbationConfig,
+    *,
+    attention_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    clean_logits: Tensor | None = None,
+    neutral_id: int | None = None,
+    max_tokens: int = 8192,
+    line_end: Tensor | None = None,
+    cost: PerturbationCost | None = None,
+) -> Tensor:
+    """OAR-G or OAR-P importance of plain transformers sequences (prompt + response, right-padded).
+
+    Position t predicts the answer when token t + 1 is an answer token
+    (:func:`~verl_oar.core.outcome.padded_predicting_positions`).
+
+    Args:
+        model: a transformers causal LM (plain, not sharded), on ``ids``' device.
+        ids: (B, L) long, prompt + response per row, positions 0..L-1.
+        reasoning: (B, L) bool, the tokens scored (and, for OAR-G, noised).
+        answer: (B, L) bool, the answer tokens (as input tokens).
+        cfg: :class:`GradientConfig` (OAR-G: one batched gradient pass) or :class:`PerturbationConfig`
+            (OAR-P: one row at a time, ``cfg.mode`` / ``cfg.budget`` build the occlusion spans).
+        attention_mask: (B, L) 0/1; OAR-G passes it to the model as is (None included), OAR-P scores
+            each row's first ``attention_mask[b].sum()`` tokens (None: all L).
+        temperature: the rollout temperature; logits are divided by it.
+        generator: OAR-G's noise draws (see :func:`~verl_oar.core.gradient.gradient_importance`).
+        clean_logits: OAR-G ``noisy_kl``: (B, L, V) logits of the clean pass, reused (already divided
+            by ``temperature``); None runs that pass.
+        neutral_id: OAR-P's occlusion token id (required for OAR-P).
+        max_tokens: OAR-P's token budget per model call (rows x tokens).
+        line_end: (B, L) bool, tokens holding a line break (OAR-P ``line`` mode only).
+        cost: OAR-P: the rows' model calls are added to it.
+
+    Returns:
+        (B, L) float32 importance on ``ids``' device, 0 off ``reasoning`` (and past each row's length).
+    """
+    predict, targets, segment = padded_predicting_positions(ids, answer)
+    if isinstance(cfg, GradientConfig):
+        embeds = model.get_input_embeddings()(ids).detach()
+        logits_fn = make_hf_logits_fn(model, attention_mask=attention_mask, temperature=temperature)
+        return gradient_importance(
+            logits_fn, embeds, reasoning, predict, targets, segment, ids.shape[0], cfg,
+            generator=generator, clean_logits=clean_logits,
+        )
+    if not isinstance(cfg, PerturbationConfig):
+        raise TypeError(f"cfg must be a GradientConfig or a PerturbationConfig, not {type(cfg).__name__}")
+    if neutral_id is None:
+        raise ValueError("OAR-P needs neutral_id, the token an occluded token is replaced by")
+    prefix_model = HFPrefixModel(model)
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    for b in range(ids.shape[0]):
+        length = ids.shape[1] if attention_mask is None else int(attention_mask[b].sum())
+        span = occlusion_spans(reasoning[b, :length], cfg.mode, cfg.budget,
+                               None if line_end is None else line_end[b, :length])
+        out[b, :length], row_cost = perturbation_importance(
+            prefix_model, ids[b, :length], torch.arange(length, device=ids.device), span, predict[b, :length],
+            neutral_id, cfg, max_tokens=max_tokens, temperature=temperature,
+        )
+        if cost is not None:
+            cost.add(row_cost)
+    return out
 
 
 class HFPrefixModel:

@@ -268,6 +268,13 @@ def oracle_token_masks(response_ids: Sequence[int], tokenizer: Any) -> OracleMas
     )
 
 
+def heatmap_oracle(response_ids: Sequence[int], tokenizer: Any) -> dict[str, list[bool]] | None:
+    """The oracle for ``verl_oar.tools.heatmap`` (its ``Oracle``): {"direct", "chain"} (T,) bool lists
+    of one response, or None when its text is not a readable chain_sum trace."""
+    masks = oracle_token_masks(response_ids, tokenizer)
+    return None if masks is None else {"direct": masks.direct.tolist(), "chain": masks.chain.tolist()}
+
+
 def oracle_batch(responses: Tensor, response_mask: Tensor, tokenizer: Any) -> dict[str, Tensor]:
     """Oracle masks of a padded batch (one text pass per row).
 

@@ -55,17 +55,9 @@ import torch
 from torch import Tensor
 
 from verl_oar.cpu.workspace import read_manifest
-from verl_oar.core.gradient import (
-    GradientConfig,
-    gradient_importance,
-    make_hf_logits_fn,
-)
-from verl_oar.core.hf import HFPrefixModel
-from verl_oar.core.perturbation import (
-    PerturbationConfig,
-    occlusion_spans,
-    perturbation_importance,
-)
+from verl_oar.core.gradient import GradientConfig
+from verl_oar.core.hf import hf_importance
+from verl_oar.core.perturbation import PerturbationConfig
 from verl_oar.testbed.chain_sum import oracle_batch
 from verl_oar.testbed.importance_quality import (
     CounterfactualExample,
@@ -180,44 +172,22 @@ def make_batch(samples: Sequence[tuple[list[int], list[int]]], truths: Sequence[
 # ---------------------------------------------------------------------------------------------------
 
 
-def predicting_positions(batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(reasoning, predict, targets, segment), each (B, L): reasoning tokens; positions whose next
-    token is an answer token; the next token; the row index."""
-    reasoning = batch.to_full(batch.oracle["reasoning"])
-    answer = batch.to_full(batch.oracle["answer"])
-    predict = torch.zeros_like(answer)
-    predict[:, :-1] = answer[:, 1:]
-    targets = torch.roll(batch.ids, -1, dims=1)
-    segment = torch.arange(batch.ids.shape[0]).unsqueeze(1).expand_as(batch.ids).contiguous()
-    return reasoning, predict, targets, segment
-
-
 def oar_g_scores(model, batch: Batch, cfg: GradientConfig, seed: int, clean_logits: Tensor | None) -> Tensor:
     """OAR-G importance (B, L) float32 of the whole batch in one gradient pass."""
-    reasoning, predict, targets, segment = predicting_positions(batch)
-    embeds = model.get_input_embeddings()(batch.ids).detach()
-    logits_fn = make_hf_logits_fn(model, attention_mask=batch.attention)
-    return gradient_importance(
-        logits_fn, embeds, reasoning, predict, targets, segment, batch.ids.shape[0], cfg,
-        generator=torch.Generator().manual_seed(seed),
+    return hf_importance(
+        model, batch.ids, batch.to_full(batch.oracle["reasoning"]), batch.to_full(batch.oracle["answer"]), cfg,
+        attention_mask=batch.attention, generator=torch.Generator().manual_seed(seed),
         clean_logits=clean_logits if cfg.objective == "noisy_kl" else None,
     )
 
 
 def oar_p_scores(model, batch: Batch, mode: str, budget: int, neutral_id: int) -> Tensor:
     """OAR-P importance (B, L) float32, one sequence at a time (AS-MEAN, prefix sharing)."""
-    reasoning, predict, _, _ = predicting_positions(batch)
-    cfg = PerturbationConfig(outcome="mean", mode=mode, budget=budget)
-    prefix_model = HFPrefixModel(model)
-    out = torch.zeros(batch.ids.shape, dtype=torch.float32)
-    for b in range(batch.ids.shape[0]):
-        length = int(batch.attention[b].sum())
-        span = occlusion_spans(reasoning[b, :length], mode, budget)
-        out[b, :length], _ = perturbation_importance(
-            prefix_model, batch.ids[b, :length], torch.arange(length), span, predict[b, :length], neutral_id, cfg,
-            max_tokens=OAR_P_MAX_TOKENS,
-        )
-    return out
+    return hf_importance(
+        model, batch.ids, batch.to_full(batch.oracle["reasoning"]), batch.to_full(batch.oracle["answer"]),
+        PerturbationConfig(outcome="mean", mode=mode, budget=budget), attention_mask=batch.attention,
+        neutral_id=neutral_id, max_tokens=OAR_P_MAX_TOKENS,
+    )
 
 
 def oracle_scores(batch: Batch) -> Tensor:

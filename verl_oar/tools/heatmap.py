@@ -2,7 +2,7 @@
 
     python -m verl_oar.tools.heatmap --model PATH (--prompt TEXT --response TEXT | --rollouts FILE [--rows 0,3,5]
         [--prompt-key K] [--response-key K]) [--estimators oar_g,oar_p] [--oar-p-mode exact|chunk|line]
-        [--oar-p-budget 16] [--neutral pad|space|ID] [--oracle chain_sum] [--chat-template | --no-chat-template]
+        [--oar-p-budget 16] [--neutral pad|space|ID] [--oracle MODULE:FUNCTION] [--chat-template | --no-chat-template]
         [--temperature 1.0] [--seed 0] [--out DIR] [--dtype float32|bfloat16] [--device cpu|cuda]
 
 Writes ``heatmap_<row>.png`` per response, ``heatmap.html`` with all of them and ``heatmap.json``
@@ -18,13 +18,14 @@ Steps, per response, in the order they run:
 2. reasoning and answer tokens: ``verl_oar.core.answer_span.locate_answer_tokens`` on the response ids
    (what the training worker uses); a response with no answer is reported and skipped. A position
    predicts the answer when its next token is an answer token.
-3. OAR-G (``importance.gradient.gradient_importance`` with ``GradientConfig()``: AS-MEAN, noisy KL,
-   grad x input; noise drawn from a generator seeded with ``--seed``; clean logits from a no-grad
-   forward) and OAR-P (``importance.perturbation.perturbation_importance``, AS-MEAN, with
-   ``HFPrefixModel``), logits divided by ``--temperature`` as the worker divides by the rollout's.
+3. OAR-G (``core.hf.hf_importance`` with ``GradientConfig()``: AS-MEAN, noisy KL, grad x input;
+   noise drawn from a generator seeded with ``--seed``; clean logits from a no-grad forward) and
+   OAR-P (``core.hf.hf_importance`` with a ``PerturbationConfig``, AS-MEAN, prefix sharing where the
+   model allows it), logits divided by ``--temperature`` as the worker divides by the rollout's.
 4. OAR weights (``reshape.importance_to_weights`` with ``OARConfig()``'s reshape defaults) of each
    estimator's importance: what training would multiply the response's GRPO advantage by.
-5. ``--oracle chain_sum``: the testbed's causal-token oracle (``testbed.chain_sum.oracle_token_masks``).
+5. an oracle (``main(oracle=...)`` or ``--oracle MODULE:FUNCTION``): known causal tokens per response,
+   drawn under the scores; e.g. the chain_sum testbed's ``verl_oar.testbed.chain_sum:heatmap_oracle``.
 
 Departures from a training step, stated:
 
@@ -42,9 +43,10 @@ Departures from a training step, stated:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,13 +57,13 @@ from torch import Tensor
 from verl_oar.core.answer_locator import load_answer_locator
 from verl_oar.core.answer_span import decode_with_offsets, line_break_tokens, locate_answer_tokens
 from verl_oar.core.config import OARConfig
-from verl_oar.core.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
-from verl_oar.core.hf import HFPrefixModel, can_share_prefix
-from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
+from verl_oar.core.gradient import GradientConfig
+from verl_oar.core.hf import can_share_prefix, hf_importance
+from verl_oar.core.perturbation import PerturbationConfig
 from verl_oar.core.reshape import Fallback, importance_to_weights
 
-__all__ = ["ESTIMATORS", "HeatmapInputError", "Sample", "main", "make_sample", "oar_g_importance",
-           "oar_p_importance", "oar_weights", "read_rollouts"]
+__all__ = ["ESTIMATORS", "HeatmapInputError", "Oracle", "Sample", "load_oracle", "main", "make_sample",
+           "oar_g_importance", "oar_p_importance", "oar_weights", "read_rollouts"]
 
 ESTIMATORS = ("oar_g", "oar_p")
 PROMPT_KEYS = ("prompt", "input")
@@ -71,6 +73,10 @@ DUMP_PROMPT_KEY = "input"
 """verl's rollout dump: the prompt already went through the chat template (departure 1)"""
 DEFAULT_ROWS = 8
 """rows drawn from a rollouts file without --rows: the first ones"""
+
+Oracle = Callable[[list[int], Any], "dict[str, list[bool]] | None"]
+"""``oracle(response_ids, tokenizer)``: named (T,) masks of known causal tokens of one response
+(drawn as "oracle <name>" under the scores), or None when it has none for this response."""
 
 
 class HeatmapInputError(ValueError):
@@ -193,14 +199,9 @@ class Sample:
         return torch.tensor(self.prompt_ids + self.response_ids, dtype=torch.long)
 
     def full_masks(self) -> tuple[Tensor, Tensor]:
-        """(reasoning, predict), each (L,) bool over prompt + response: the reasoning tokens, and the
-        positions whose next token is an answer token."""
+        """(reasoning, answer), each (L,) bool over prompt + response."""
         p = len(self.prompt_ids)
-        reasoning = torch.tensor([False] * p + self.reasoning)
-        answer = torch.tensor([False] * p + self.answer)
-        predict = torch.zeros_like(answer)
-        predict[:-1] = answer[1:]
-        return reasoning, predict
+        return torch.tensor([False] * p + self.reasoning), torch.tensor([False] * p + self.answer)
 
 
 def make_sample(row: int, prompt: Any, response: Any, tokenizer, chat_template: bool, locator=None) -> Sample:
@@ -233,20 +234,12 @@ def make_sample(row: int, prompt: Any, response: Any, tokenizer, chat_template: 
 
 def oar_g_importance(model, sample: Sample, cfg: GradientConfig, seed: int, temperature: float = 1.0) -> Tensor:
     """OAR-G importance (T,) float32 of the response tokens, 0 off the reasoning tokens (one sequence,
-    as ``testbed.quality.oar_g_scores``)."""
+    noise from a CPU generator seeded with ``seed``)."""
     device = model.get_input_embeddings().weight.device
     ids = sample.ids.to(device)[None]
-    reasoning, predict = (m.to(device)[None] for m in sample.full_masks())
-    hf_logits = make_hf_logits_fn(model, attention_mask=torch.ones_like(ids))
-
-    def logits_fn(embeds: Tensor) -> Tensor:
-        return hf_logits(embeds).float() / temperature
-
-    embeds = model.get_input_embeddings()(ids).detach()
-    full = gradient_importance(
-        logits_fn, embeds, reasoning, predict, torch.roll(ids, -1, dims=1), torch.zeros_like(ids), 1, cfg,
-        generator=torch.Generator().manual_seed(seed),
-    )  # clean_logits=None: gradient_importance runs the clean pass itself, under no_grad
+    reasoning, answer = (m.to(device)[None] for m in sample.full_masks())
+    full = hf_importance(model, ids, reasoning, answer, cfg, attention_mask=torch.ones_like(ids),
+                         temperature=temperature, generator=torch.Generator().manual_seed(seed))
     return full[0, len(sample.prompt_ids):].cpu()
 
 
@@ -254,20 +247,16 @@ def oar_p_importance(
     model, sample: Sample, cfg: PerturbationConfig, neutral_id: int, max_tokens: int, tokenizer,
     temperature: float = 1.0,
 ) -> Tensor:
-    """OAR-P importance (T,) float32 of the response tokens, 0 off the reasoning tokens (as
-    ``testbed.quality.oar_p_scores`` for one sequence)."""
+    """OAR-P importance (T,) float32 of the response tokens, 0 off the reasoning tokens."""
     device = model.get_input_embeddings().weight.device
-    ids = sample.ids.to(device)
-    reasoning, predict = (m.to(device) for m in sample.full_masks())
+    ids = sample.ids.to(device)[None]
+    reasoning, answer = (m.to(device)[None] for m in sample.full_masks())
     line_end = None
     if cfg.mode == "line":
-        line_end = torch.tensor([False] * len(sample.prompt_ids) + line_break_tokens(sample.response_ids, tokenizer))
-    span = occlusion_spans(reasoning, cfg.mode, cfg.budget, None if line_end is None else line_end.to(device))
-    full, _ = perturbation_importance(
-        HFPrefixModel(model), ids, torch.arange(ids.numel(), device=device), span, predict, neutral_id, cfg,
-        max_tokens=max_tokens, temperature=temperature,
-    )
-    return full[len(sample.prompt_ids):].cpu()
+        line_end = torch.tensor([[False] * len(sample.prompt_ids) + line_break_tokens(sample.response_ids, tokenizer)])
+    full = hf_importance(model, ids, reasoning, answer, cfg, temperature=temperature, neutral_id=neutral_id,
+                         max_tokens=max_tokens, line_end=None if line_end is None else line_end.to(device))
+    return full[0, len(sample.prompt_ids):].cpu()
 
 
 def oar_weights(importance: Tensor, reasoning: Sequence[bool], cfg: OARConfig) -> tuple[list[float], str]:
@@ -305,7 +294,7 @@ def _parse_estimators(text: str) -> list[str]:
 def neutral_id(tokenizer, choice: str) -> int:
     """The OAR-P occlusion token: ``pad`` (the worker's default: pad, else eos), ``space`` or an id."""
     if choice == "pad":
-        from verl_oar.engines.driver import neutral_token_id
+        from verl_oar.core.config import neutral_token_id
 
         return neutral_token_id(OARConfig(), tokenizer)
     if choice == "space":
@@ -316,6 +305,21 @@ def neutral_id(tokenizer, choice: str) -> int:
     if choice.isdigit() and int(choice) < len(tokenizer):
         return int(choice)
     raise HeatmapInputError(f"--neutral {choice!r}: use pad, space or a token id below {len(tokenizer)}")
+
+
+def load_oracle(spec: str) -> Oracle:
+    """The oracle named ``MODULE:FUNCTION`` (see :data:`Oracle`), imported."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise HeatmapInputError(f"--oracle {spec!r}: give MODULE:FUNCTION, e.g. "
+                                "verl_oar.testbed.chain_sum:heatmap_oracle")
+    try:
+        oracle = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as err:
+        raise HeatmapInputError(f"--oracle {spec!r}: cannot load it ({err})") from None
+    if not callable(oracle):
+        raise HeatmapInputError(f"--oracle {spec!r}: {name} is not a function")
+    return oracle
 
 
 def token_texts(response_ids: Sequence[int], tokenizer) -> list[str]:
@@ -346,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     method.add_argument("--neutral", default="pad", help="OAR-P occlusion token: pad, space or a token id")
     method.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (logits are divided by it)")
     method.add_argument("--seed", type=int, default=0, help="seed of OAR-G's embedding noise")
-    method.add_argument("--oracle", choices=("chain_sum",), help="also draw the chain_sum testbed's oracle masks")
+    method.add_argument("--oracle", metavar="MODULE:FUNCTION",
+                        help="also draw an oracle's masks of known causal tokens, oracle(response_ids, tokenizer) -> "
+                             "{name: [bool]*T} or None; e.g. verl_oar.testbed.chain_sum:heatmap_oracle")
     method.add_argument("--answer-locator", default="", metavar="SPEC",
                         help="the run's algorithm.oar.answer_locator (pkg://module.function or file.py:function); "
                              "default: the built-in")
@@ -396,8 +402,9 @@ def _load_tokenizer(path: str):
                                 "that holds the tokenizer files") from None
 
 
-def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], neutral: int) -> dict:
-    """Everything the JSON holds about one sample."""
+def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], neutral: int,
+                 oracle: Oracle | None = None) -> dict:
+    """Everything the JSON holds about one sample (``record["oracle"]``: ``oracle``'s masks, if given)."""
     oar = OARConfig()
     record: dict[str, Any] = {
         "row": sample.row, "prompt": sample.prompt_text, "response": sample.response_text,
@@ -417,13 +424,11 @@ def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], 
                                           args.temperature)
         record["scores"][name] = importance.tolist()
         record["weights"][name], record["fallback"][name] = oar_weights(importance, sample.reasoning, oar)
-    if args.oracle == "chain_sum":
-        from verl_oar.testbed.chain_sum import oracle_token_masks
-
-        masks = oracle_token_masks(sample.response_ids, tokenizer)
-        record["oracle"] = None if masks is None else {"direct": masks.direct.tolist(), "chain": masks.chain.tolist()}
+    if oracle is not None:
+        masks = oracle(sample.response_ids, tokenizer)
+        record["oracle"] = None if masks is None else {name: [bool(v) for v in m] for name, m in masks.items()}
         if masks is None:
-            record["notes"].append("chain_sum oracle: the reasoning is not a readable chain_sum trace")
+            record["notes"].append("oracle: none for this response")
     return record
 
 
@@ -443,7 +448,7 @@ def _figure_rows(record: dict, estimators: list[str]):
     weights = [(f"w~ {estimators[0]}", record["weights"][estimators[0]])]
     masks = [("reasoning", record["reasoning"]), ("answer", record["answer"])]
     if record.get("oracle"):
-        masks += [("oracle direct", record["oracle"]["direct"]), ("oracle chain", record["oracle"]["chain"])]
+        masks += [(f"oracle {name}", mask) for name, mask in record["oracle"].items()]
     return rows, weights, masks
 
 
@@ -468,14 +473,17 @@ def write_outputs(report: dict, out: Path, wrap: int) -> None:
     Path(report["files"]["json"]).write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
 
 
-def run(args) -> dict:
-    """Score, draw and write; returns the JSON content. Raises :class:`HeatmapInputError` on bad input."""
+def run(args, oracle: Oracle | None = None) -> dict:
+    """Score, draw and write; returns the JSON content. ``oracle``: see :data:`Oracle` (default: the
+    one ``--oracle`` names, if any). Raises :class:`HeatmapInputError` on bad input."""
     estimators = _parse_estimators(args.estimators)
     if args.oar_p_budget < 1 or args.oar_p_max_tokens < 1 or not args.temperature > 0:
         raise HeatmapInputError("--oar-p-budget and --oar-p-max-tokens must be >= 1 and --temperature > 0")
     items, chat_template = _inputs(args)  # file, keys and rows are checked before any model is loaded
     tokenizer = _load_tokenizer(args.model)
     neutral = neutral_id(tokenizer, args.neutral) if "oar_p" in estimators else None
+    if oracle is None and args.oracle:
+        oracle = load_oracle(args.oracle)
     try:
         locator = load_answer_locator(args.answer_locator)
     except ValueError as err:
@@ -495,13 +503,13 @@ def run(args) -> dict:
         )
     model = _load_model(args.model, args.dtype, args.device)
     with torch.no_grad():  # OAR-G re-enables grad for its own pass
-        records = [score_sample(model, tokenizer, s, args, estimators, neutral) for s in samples]
+        records = [score_sample(model, tokenizer, s, args, estimators, neutral, oracle) for s in samples]
     report = {
         "model": args.model,
         "config": {
             "estimators": estimators, "oar_p_mode": args.oar_p_mode, "oar_p_budget": args.oar_p_budget,
             "neutral": args.neutral, "neutral_id": neutral, "temperature": args.temperature, "seed": args.seed,
-            "oracle": args.oracle, "dtype": args.dtype, "device": str(next(model.parameters()).device),
+            "oracle": args.oracle or (oracle and getattr(oracle, "__qualname__", repr(oracle))), "dtype": args.dtype, "device": str(next(model.parameters()).device),
             "gradient": asdict(GradientConfig()), "reshape": asdict(OARConfig().reshape_config()),
         },
         "rows": records,
@@ -511,8 +519,9 @@ def run(args) -> dict:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    """The CLI, callable in-process: returns the JSON content; bad input exits with its message."""
+def main(argv: Sequence[str] | None = None, *, oracle: Oracle | None = None) -> dict:
+    """The CLI, callable in-process: returns the JSON content; bad input exits with its message.
+    ``oracle``: drawn under the scores (see :data:`Oracle`); overrides ``--oracle``."""
     from verl_oar.tools.heatmap_render import MissingMatplotlib, require_matplotlib
 
     args = build_parser().parse_args(argv)
@@ -521,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     except MissingMatplotlib as err:
         raise SystemExit(f"verl_oar.tools.heatmap: {err}") from None
     try:
-        report = run(args)
+        report = run(args, oracle)
     except HeatmapInputError as err:
         raise SystemExit(f"verl_oar.tools.heatmap: {err}") from None
     for path in [*report["files"]["png"], report["files"]["html"], report["files"]["json"]]:
