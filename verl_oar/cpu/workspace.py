@@ -21,6 +21,10 @@ Departures from a real setup, on purpose:
    sampled at temperature 1 usually end with a ``\\boxed{...}`` answer, sometimes right and sometimes
    wrong. OAR needs that final answer to ground its token importance on.
 3. Deterministic for a given ``seed`` (and torch build and thread count).
+
+Public helpers the chain_sum testbed reuses (``verl_oar.testbed.workspace``): :func:`build_tokenizer`,
+:func:`new_tiny_model`, :func:`chat_prompt_ids`, :func:`supervised_steps`, :func:`write_parquet`,
+:func:`save_model_dir`, :func:`read_manifest`, :func:`build_lock`, :func:`all_cpu_threads`.
 """
 
 from __future__ import annotations
@@ -173,7 +177,8 @@ def _rl_rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:
     ]
 
 
-def _write_parquet(rows: list[dict], path: Path) -> None:
+def write_parquet(rows: list[dict], path: Path) -> None:
+    """Write ``rows`` (one dict per row, verl's RL columns) to the parquet file ``path`` (folders made)."""
     import pandas as pd
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +190,13 @@ def _write_parquet(rows: list[dict], path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _new_model(spec: WorkspaceSpec, tokenizer):
+def new_tiny_model(spec, tokenizer):
+    """A freshly initialised float32 Qwen2ForCausalLM with tied embeddings, seeded with ``spec.seed``.
+
+    ``spec``: any object with ``seed``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads`` and ``max_position_embeddings`` (a
+    :class:`WorkspaceSpec`, the testbed's ``TestbedSpec``); vocabulary, eos and pad come from ``tokenizer``.
+    """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -207,7 +218,9 @@ def _new_model(spec: WorkspaceSpec, tokenizer):
     return Qwen2ForCausalLM(config).float()
 
 
-def _prompt_ids(tokenizer, question: str) -> list[int]:
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    """Token ids of one user turn through the chat template with the generation prompt, as verl's
+    dataset builds a prompt (``encode(add_special_tokens=False)``)."""
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
     )
@@ -260,7 +273,7 @@ def warm_start(model, tokenizer, pairs: list[tuple[int, int]], spec: WorkspaceSp
     rng = random.Random(spec.seed + 1)
     examples = []
     for a, b in pairs:
-        prompt = _prompt_ids(tokenizer, _question(a, b))
+        prompt = chat_prompt_ids(tokenizer, _question(a, b))
         for template in RESPONSE_TEMPLATES:
             response = tokenizer.encode(template.format(a=a, b=b, c=a + b), add_special_tokens=False)
             examples.append((prompt, response + [tokenizer.eos_token_id]))
@@ -290,7 +303,7 @@ def sample_statistics(model, tokenizer, pairs: list[tuple[int, int]], *, max_new
     torch.manual_seed(seed)
     boxed, correct, lengths, example = 0, 0, [], None
     for a, b in pairs:
-        prompt = torch.tensor([_prompt_ids(tokenizer, _question(a, b))])
+        prompt = torch.tensor([chat_prompt_ids(tokenizer, _question(a, b))])
         with torch.no_grad():
             out = model.generate(
                 prompt,
@@ -325,7 +338,8 @@ def sample_statistics(model, tokenizer, pairs: list[tuple[int, int]], *, max_new
 
 
 @contextlib.contextmanager
-def _locked(root: Path):
+def build_lock(root: Path):
+    """Hold an exclusive file lock on ``root/.lock`` (``root`` created): one build of a folder at a time."""
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -366,7 +380,7 @@ def build_workspace(
     spec = spec or WorkspaceSpec()
     root = Path(directory).expanduser().resolve()
     fingerprint = spec.fingerprint()
-    with _locked(root):
+    with build_lock(root):
         manifest = read_manifest(root)
         if not force and manifest is not None and manifest.get("fingerprint") == fingerprint:
             _log(f"reusing {root} (fingerprint {fingerprint})")
@@ -380,12 +394,12 @@ def build_workspace(
 
         tokenizer = build_tokenizer()
         train_pairs, val_pairs = _split_pairs(spec)
-        _write_parquet(_rl_rows(train_pairs, "train"), root / "data" / "train.parquet")
-        _write_parquet(_rl_rows(val_pairs, "val"), root / "data" / "val.parquet")
+        write_parquet(_rl_rows(train_pairs, "train"), root / "data" / "train.parquet")
+        write_parquet(_rl_rows(val_pairs, "val"), root / "data" / "val.parquet")
         shutil.copyfile(Path(__file__).parents[1] / "rewards" / "tiny_reward.py", root / "reward.py")
 
-        with _torch_threads():
-            model = _new_model(spec, tokenizer)
+        with all_cpu_threads():
+            model = new_tiny_model(spec, tokenizer)
             warm = warm_start(model, tokenizer, train_pairs, spec)
             stats = sample_statistics(model, tokenizer, train_pairs[:32], max_new_tokens=48, seed=spec.seed)
         _log(f"warm start: {warm}; sampled on 32 train prompts: {stats}")
@@ -411,8 +425,8 @@ def build_workspace(
 
 
 @contextlib.contextmanager
-def _torch_threads():
-    """Use all cores for the warm start, then restore torch's thread count."""
+def all_cpu_threads():
+    """Let torch use every core inside the block (a warm start), then restore its thread count."""
     import torch
 
     before = torch.get_num_threads()

@@ -9,7 +9,7 @@
     testbed.json    spec, fingerprint, warm-start statistics (final loss, sampled parse rate and accuracy)
 
 Reused from ``verl_oar.cpu.workspace`` by import: the tokenizer, the model constructor, the chat
-template (through ``_prompt_ids``), parquet writing, the build lock and the thread setting. Building
+template (through ``chat_prompt_ids``), parquet writing, the build lock and the thread setting. Building
 again with the same spec reuses the directory (same ``fingerprint`` in ``testbed.json``).
 
 Departures, on purpose:
@@ -37,15 +37,15 @@ from pathlib import Path
 
 from verl_oar.rewards import tiny_reward
 from verl_oar.cpu.workspace import (
-    _locked,
-    _new_model,
-    _prompt_ids,
-    _torch_threads,
-    _write_parquet,
+    all_cpu_threads,
+    build_lock,
     build_tokenizer,
+    chat_prompt_ids,
+    new_tiny_model,
     read_manifest,
     save_model_dir,
     supervised_steps,
+    write_parquet,
 )
 from verl_oar.testbed.chain_sum import (
     ChainSumProblem,
@@ -216,7 +216,7 @@ def warm_start(model, tokenizer, problems: Sequence[ChainSumProblem], spec: Test
     """
     rng = random.Random(f"{spec.seed}/warm_start")
     examples = [
-        (_prompt_ids(tokenizer, p.prompt), tokenizer.encode(p.response, add_special_tokens=False) + [tokenizer.eos_token_id])
+        (chat_prompt_ids(tokenizer, p.prompt), tokenizer.encode(p.response, add_special_tokens=False) + [tokenizer.eos_token_id])
         for p in problems
     ]
     start = time.time()
@@ -246,7 +246,7 @@ def sample_responses(
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     out: list[tuple[list[int], list[int]]] = []
     for first in range(0, len(prompts), batch_size):
-        chunk = [_prompt_ids(tokenizer, p) for p in prompts[first : first + batch_size]]
+        chunk = [chat_prompt_ids(tokenizer, p) for p in prompts[first : first + batch_size]]
         width = max(len(p) for p in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         attention = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -318,7 +318,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
     spec = spec or TestbedSpec()
     root = Path(directory).expanduser().resolve()
     fingerprint = spec.fingerprint()
-    with _locked(root):
+    with build_lock(root):
         manifest = read_manifest(root, MANIFEST)
         if not force and manifest is not None and manifest.get("fingerprint") == fingerprint:
             _log(f"reusing {root} (fingerprint {fingerprint})")
@@ -332,12 +332,12 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
 
         tokenizer = build_tokenizer()
         train, val = split_problems(spec)
-        _write_parquet(rl_rows(train, "train"), root / "data" / "train.parquet")
-        _write_parquet(rl_rows(val, "val"), root / "data" / "val.parquet")
+        write_parquet(rl_rows(train, "train"), root / "data" / "train.parquet")
+        write_parquet(rl_rows(val, "val"), root / "data" / "val.parquet")
         (root / "reward.py").write_text(reward_source())
 
-        with _torch_threads():
-            model = _new_model(spec, tokenizer)
+        with all_cpu_threads():
+            model = new_tiny_model(spec, tokenizer)
             warm = warm_start(model, tokenizer, train, spec)
             stats = sample_statistics(model, tokenizer, val[: spec.stats_samples], spec)
         _log(f"warm start: {warm}; sampled on {stats['samples']} val prompts: {stats}")
