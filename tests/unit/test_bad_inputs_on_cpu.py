@@ -148,7 +148,7 @@ def test_oar_p_without_a_neutral_token_asks_for_one():
     from types import SimpleNamespace
 
     from verl_oar.core.config import OARConfig
-    from verl_oar.engines.driver import neutral_token_id
+    from verl_oar.core.config import neutral_token_id
 
     bare = SimpleNamespace(pad_token_id=None, eos_token_id=None)
     with pytest.raises(ValueError, match="Set algorithm.oar.perturb_token_id"):

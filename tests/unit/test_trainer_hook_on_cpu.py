@@ -12,39 +12,78 @@ import torch
 from _verl_config import compose_ppo_config
 
 
-def test_plugin_loads_through_verls_entry_point_in_a_fresh_process():
+def test_plugin_loads_through_verls_entry_point_lazily_in_a_fresh_process():
     code = (
+        "import sys\n"
         "import verl\n"
-        "from verl.trainer.ppo import core_algos\n"
-        "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
         "from verl_oar.integration import plugin\n"
         "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
-        "assert 'oar_g' in core_algos.ADV_ESTIMATOR_REGISTRY\n"
-        "assert TRAINER_REGISTRY['sync'].__name__ == 'OARTrainerSync'\n"
-        "assert all(getattr(c, '_verl_oar_hooked', False) for c in TRAINER_REGISTRY.values())\n"
+        # import verl alone loads only the plugin: the glue waits for the modules it hooks into
+        "glue = sorted(m for m in sys.modules if m.startswith('verl_oar.') and m not in "
+        "('verl_oar.integration', 'verl_oar.integration.plugin', 'verl_oar.integration.compat'))\n"
+        "assert not glue, glue\n"
+        "assert 'verl.trainer.ppo.core_algos' not in sys.modules\n"
+        "from verl.trainer.ppo import core_algos, ray_trainer\n"
+        "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
+        "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
+        "assert 'oar_g' in core_algos.ADV_ESTIMATOR_REGISTRY and 'oar_p' in core_algos.ADV_ESTIMATOR_REGISTRY\n"
+        "assert all(getattr(c, '_verl_oar_dispatch', False) for c in TRAINER_REGISTRY.values()), TRAINER_REGISTRY\n"
+        "assert ray_trainer.RayPPOTrainer.__module__ == 'verl.trainer.ppo.ray_trainer'\n"
         "print('OK')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
-def test_trainer_hook_is_the_one_verl_patch_and_still_applies():
+def test_registry_entries_dispatch_to_verls_own_classes_and_leave_the_legacy_trainer_alone():
     import verl
+    from verl.trainer.ppo import ray_trainer
     from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from verl_oar.integration.trainer import SUPPORTED_VERL, install_trainer_hook
+    from verl_oar.integration import compat
+    from verl_oar.integration.trainer import install_trainer_hook, verl_trainer_cls
 
-    assert verl.__version__.startswith(SUPPORTED_VERL)
+    assert verl.__version__.startswith(compat.SUPPORTED_VERL)
     install_trainer_hook()  # idempotent: a second install changes nothing
-    sync = trainer_base.TRAINER_REGISTRY["sync"]
-    assert issubclass(sync, PPOTrainerSync) and sync is not PPOTrainerSync
-    from verl.trainer.ppo import ray_trainer
-
-    assert getattr(ray_trainer.RayPPOTrainer, "_verl_oar_hooked", False), "legacy trainer is not guarded"
+    expected = {"sync": PPOTrainerSync, "colocate_async": PPOTrainerColocateAsync,
+                "separate_async": PPOTrainerSeparateAsync}
+    assert set(trainer_base.TRAINER_REGISTRY) == set(expected)
+    for mode, cls in expected.items():
+        entry = trainer_base.TRAINER_REGISTRY[mode]
+        assert entry._verl_cls is cls and verl_trainer_cls(mode) is cls
+        assert issubclass(entry, cls) and entry._verl_oar_dispatch
     for name in ("_compute_old_log_prob", "_compute_advantage", "_init_resource_pool_mgr"):
-        assert name in vars(sync), f"OARTrainerSync must override {name}"
         assert hasattr(PPOTrainerSync, name), f"verl no longer has PPOTrainer.{name}: the hook is stale"
+    assert "_verl_oar" not in " ".join(vars(ray_trainer.RayPPOTrainer)), "the legacy trainer must be verl's"
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+@pytest.mark.parametrize("estimator", ["grpo", "gae", "rloo"])
+def test_a_non_token_estimator_gets_verls_own_trainer_object(estimator, mode):
+    """What main_ppo does: ``get_trainer_cls(mode)(config=config)``; the object is verl's class, not a subclass."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_oar.integration.trainer import verl_trainer_cls
+
+    config = compose_ppo_config([f"algorithm.adv_estimator={estimator}", f"trainer.v1.trainer_mode={mode}"])
+    trainer = get_trainer_cls(mode)(config=config)
+    assert type(trainer) is verl_trainer_cls(mode)
+    assert type(trainer).__module__.startswith("verl.trainer.ppo.v1.")
+
+
+def test_a_token_estimator_gets_the_oar_trainer_under_sync_and_a_refusal_elsewhere():
+    from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
+
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2"])
+    trainer = get_trainer_cls("sync")(config=config)
+    assert type(trainer).__name__ == "OARTrainerSync" and isinstance(trainer, PPOTrainerSync)
+    assert [p.name for p in trainer._token_signals] == ["token_importance"]
+    async_config = compose_ppo_config(["algorithm.adv_estimator=oar_p", "trainer.v1.trainer_mode=colocate_async"])
+    with pytest.raises(ValueError, match="trainer.v1.trainer_mode=sync"):
+        get_trainer_cls("colocate_async")(config=async_config)
 
 
 def test_estimator_registration_is_idempotent_when_imported_by_file_path():
@@ -81,9 +120,7 @@ def test_a_different_function_under_an_oar_name_is_refused():
     ],
 )
 def test_startup_checks_name_cause_and_fix(overrides, match):
-    from verl_oar.integration.trainer import check_token_signals_supported
-
-    from verl_oar.integration.trainer import LEGACY
+    from verl_oar.integration.validate import LEGACY, check_token_signals_supported
 
     config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2", *overrides])
     mode = config.trainer.v1.trainer_mode if config.trainer.use_v1 else LEGACY
@@ -122,7 +159,7 @@ MEGATRON = "actor_rollout_ref.actor.megatron"
 @pytest.mark.parametrize("estimator", ["oar_g", "oar_p"])
 def test_megatron_startup_checks_name_the_setting_and_what_works(overrides, match, estimator):
     """verl's Megatron config (``model_engine=megatron``): what OAR cannot do there is refused at start-up."""
-    from verl_oar.integration.trainer import check_token_signals_supported
+    from verl_oar.integration.validate import check_token_signals_supported
 
     config = compose_ppo_config(["model_engine=megatron", f"algorithm.adv_estimator={estimator}", *overrides])
     assert config.actor_rollout_ref.actor.strategy == "megatron"
@@ -142,7 +179,7 @@ def test_megatron_startup_checks_name_the_setting_and_what_works(overrides, matc
 )
 @pytest.mark.parametrize("estimator", ["oar_g", "oar_p"])
 def test_megatron_startup_check_passes_tensor_and_sequence_parallel(overrides, estimator):
-    from verl_oar.integration.trainer import check_token_signals_supported
+    from verl_oar.integration.validate import check_token_signals_supported
 
     config = compose_ppo_config(["model_engine=megatron", f"algorithm.adv_estimator={estimator}", *overrides])
     assert [p.name for p in check_token_signals_supported(config, "sync")] == ["token_importance"]
@@ -168,7 +205,7 @@ def test_fused_log_prob_pass_is_off_where_verls_pass_does_more(overrides, fused)
 
 
 def test_startup_check_passes_for_a_supported_config_and_ignores_other_estimators():
-    from verl_oar.integration.trainer import check_token_signals_supported
+    from verl_oar.integration.validate import check_token_signals_supported
 
     ok = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2"])
     assert [p.name for p in check_token_signals_supported(ok, "sync")] == ["token_importance"]
@@ -244,6 +281,7 @@ def test_plugin_failure_is_printed_loudly_not_swallowed():
         "broken.install_trainer_hook = install_trainer_hook\n"
         "sys.modules['verl_oar.integration.trainer'] = broken\n"
         "import verl\n"
+        "import verl.trainer.ppo.v1\n"  # the trainer hook installs when verl's v1 trainer is imported
         "from verl_oar.integration import plugin\n"
         "assert plugin.LOAD_ERROR and 'simulated hook failure' in plugin.LOAD_ERROR\n"
         "from verl_oar.integration import signals\n"

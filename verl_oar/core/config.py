@@ -162,3 +162,17 @@ class OARConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def neutral_token_id(cfg: OARConfig, tokenizer) -> int:
+    """The id an occluded token becomes: ``algorithm.oar.perturb_token_id``, else the pad token,
+    else the end-of-sequence token."""
+    if cfg.perturb_token_id >= 0:
+        return cfg.perturb_token_id
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError(
+        "OAR-P needs a neutral token to occlude with, and the tokenizer has neither a pad nor an eos token. "
+        "Set algorithm.oar.perturb_token_id to a token id."
+    )

@@ -17,26 +17,12 @@ import torch
 from tensordict import TensorDict
 
 from verl_oar.core.answer_locator import load_answer_locator
-from verl_oar.core.config import OARConfig
+from verl_oar.core.config import OARConfig, neutral_token_id
 from verl_oar.engines.fsdp.unshard import unsharded_for_importance
 from verl_oar.engines.inputs import add_outcome_masks, nested, remove_masks
 
 METHODS = ("gradient", "perturbation")
 """How importance is measured: OAR-G (one input gradient) or OAR-P (occlusion)."""
-
-
-def neutral_token_id(cfg: OARConfig, tokenizer) -> int:
-    """The id an occluded token becomes: ``algorithm.oar.perturb_token_id``, else the pad token,
-    else the end-of-sequence token."""
-    if cfg.perturb_token_id >= 0:
-        return cfg.perturb_token_id
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    raise ValueError(
-        "OAR-P needs a neutral token to occlude with, and the tokenizer has neither a pad nor an eos token. "
-        "Set algorithm.oar.perturb_token_id to a token id."
-    )
 
 
 def _perturbation_budget(data: TensorDict, cfg: OARConfig) -> tuple[int | None, int]:

@@ -13,19 +13,12 @@ nested (bs, response_len) fields into TransferQueue:
 
 from __future__ import annotations
 
-from verl_oar.core.answer_locator import load_answer_locator
 from verl_oar.core.config import OARConfig
 from verl_oar.integration.fallback_guard import NoAnswerGuard
 from verl_oar.integration.signals import register_token_signal
+from verl_oar.integration.validate import validate_importance_config
 
 IMPORTANCE_FIELDS = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask")
-SUPPORTED_STRATEGIES = ("fsdp", "fsdp2", "megatron")
-MEGATRON_SUPPORTED = (
-    "tensor_model_parallel_size (with or without sequence_parallel), data parallelism, MoE models with "
-    "expert_model_parallel_size=1, use_remove_padding on or off, pipeline_model_parallel_size=1, "
-    "context_parallel_size=1"
-)
-"""what OAR importance supports on verl's Megatron engine, named in every refusal"""
 IMPORTANCE_METHOD = {"oar_g": "gradient", "oar_p": "perturbation"}
 """estimator name -> how its importance is measured (``verl_oar.engines.driver.METHODS``)"""
 PERTURBATION_COST_FIELDS = ("oar_perturb_copies", "oar_perturb_passes", "oar_perturb_peak_tokens")
@@ -42,138 +35,6 @@ reward's span; the reward's span did not fit the response's text (the locator wa
 def importance_method(config) -> str:
     name = config.algorithm.adv_estimator
     return IMPORTANCE_METHOD[str(getattr(name, "value", name))]
-
-
-def validate_importance_config(config) -> None:
-    """Start-up checks: raise with the cause and the fix before any worker is built."""
-    oar = OARConfig.from_algorithm(config.algorithm)
-    load_answer_locator(oar.answer_locator)  # a ValueError naming the problem and the fix, before any worker
-    _validate_engine(config, "actor")
-    if config.actor_rollout_ref.model.get("use_fused_kernels", False):
-        raise ValueError(
-            "OAR importance needs the model's logits; actor_rollout_ref.model.use_fused_kernels=True "
-            "does not produce them. Set actor_rollout_ref.model.use_fused_kernels=False."
-        )
-    if oar.importance_model == "ref":
-        from verl.trainer.ppo.utils import need_reference_policy
-
-        if not need_reference_policy(config):
-            raise ValueError(
-                "algorithm.oar.importance_model=ref needs a reference model, and this run has none. "
-                "Enable one (actor_rollout_ref.actor.use_kl_loss=True or algorithm.use_kl_in_reward=True) "
-                "or use algorithm.oar.importance_model=actor."
-            )
-        if config.actor_rollout_ref.get("ref", None) is not None and "strategy" in config.actor_rollout_ref.ref:
-            _validate_engine(config, "ref")
-
-
-def _validate_engine(config, role: str) -> None:
-    """The engine of ``actor_rollout_ref.{role}`` (the model that scores importance) is one OAR supports."""
-    node = config.actor_rollout_ref[role]
-    prefix = f"actor_rollout_ref.{role}"
-    strategy = node.strategy
-    if strategy not in SUPPORTED_STRATEGIES:
-        raise ValueError(
-            f"OAR importance is implemented for verl's FSDP and Megatron engines {SUPPORTED_STRATEGIES}, not "
-            f"{prefix}.strategy={strategy!r}. Set actor_rollout_ref.actor.strategy=fsdp2 (and ref.strategy=fsdp2), "
-            "or select verl's Megatron config (model_engine=megatron), or use algorithm.adv_estimator=grpo."
-        )
-    if strategy == "megatron":
-        _validate_megatron(config, node, prefix)
-        return
-    sp = int(node.get("ulysses_sequence_parallel_size", 1) or 1)
-    if sp > 1:
-        raise ValueError(
-            f"OAR importance does not support Ulysses sequence parallelism yet "
-            f"({prefix}.ulysses_sequence_parallel_size={sp}); set it to 1."
-        )
-    trainer = config.get("trainer", {}) or {}
-    dp = int(trainer.get("n_gpus_per_node", 1) or 1) * int(trainer.get("nnodes", 1) or 1) // sp
-    if strategy == "fsdp" and dp > 1:
-        # OAR makes a data-dependent number of model calls per rank; FSDP2 runs them on parameters
-        # gathered once (engines.fsdp.unshard), FSDP1 cannot (no forward inside summon_full_params),
-        # so its per-forward all-gathers would mismatch across ranks and hang.
-        raise ValueError(
-            f"OAR importance on FSDP1 ({prefix}.strategy=fsdp) needs one data-parallel rank, but this run has "
-            f"{dp} (trainer.n_gpus_per_node x trainer.nnodes): ranks would make different numbers of model "
-            "calls and FSDP1's all-gathers would hang. Set actor_rollout_ref.actor.strategy=fsdp2 "
-            "(and actor_rollout_ref.ref.strategy=fsdp2)."
-        )
-
-
-def _validate_megatron(config, node, prefix: str) -> None:
-    """Megatron: one pipeline stage (embeddings and logits on the same rank), no context parallelism."""
-    megatron = node.get("megatron", None)
-    if megatron is None:
-        raise ValueError(
-            f"{prefix}.strategy=megatron, but {prefix} has no 'megatron' settings: verl's FSDP config was "
-            "composed. Select verl's Megatron config with the override model_engine=megatron (instead of "
-            "setting strategy=megatron), or set actor_rollout_ref.actor.strategy=fsdp2."
-        )
-
-    def size(key: str) -> int:
-        value = megatron.get(key, 1)
-        return 1 if value is None else int(value)
-
-    why = {
-        "pipeline_model_parallel_size": "the input embeddings live on the first pipeline stage and the logits "
-        "on the last, while OAR calls the model on one rank, outside Megatron's pipeline schedule (OAR-G "
-        "differentiates the outcome w.r.t. the embeddings)",
-        "virtual_pipeline_model_parallel_size": "it splits the model into pipeline chunks (see "
-        "pipeline_model_parallel_size)",
-        "context_parallel_size": "context parallelism splits every sequence over ranks in a zigzag "
-        "layout that OAR's token layout does not follow",
-        "expert_model_parallel_size": "every MoE layer then exchanges tokens (all-to-all) over the expert-parallel "
-        "group, which spans data-parallel ranks, while OAR makes a data-dependent number of model calls per rank "
-        "(answers found, OAR-P copies): a rank waiting in an all-to-all its peers never enter hangs under NCCL",
-    }
-    for key, reason in why.items():
-        if size(key) > 1:
-            raise ValueError(
-                f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.{key}={size(key)}: "
-                f"{reason}. Set {prefix}.megatron.{key}={'null' if key.startswith('virtual') else 1}; shard the model "
-                f"with tensor_model_parallel_size and sequence_parallel instead (for a MoE model too: its experts "
-                f"are then tensor-parallel). Supported on Megatron: "
-                f"{MEGATRON_SUPPORTED}. Or use actor_rollout_ref.actor.strategy=fsdp2, or algorithm.adv_estimator=grpo."
-            )
-    etp = megatron.get("expert_tensor_parallel_size", None)
-    if etp is not None and int(etp) not in (1, size("tensor_model_parallel_size")):
-        raise ValueError(
-            f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.expert_tensor_parallel_size="
-            f"{etp} (different from tensor_model_parallel_size={size('tensor_model_parallel_size')}): the experts' "
-            "tensor-parallel group then spans data-parallel ranks, whose numbers of model calls differ under OAR, "
-            f"so their collectives would hang. Set it to null (= tensor_model_parallel_size). Supported on Megatron: "
-            f"{MEGATRON_SUPPORTED}."
-        )
-    if megatron.get("dynamic_context_parallel", False):
-        raise ValueError(
-            f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.dynamic_context_parallel=True "
-            f"(it re-packs sequences over ranks). Set it to False. Supported on Megatron: {MEGATRON_SUPPORTED}."
-        )
-    if megatron.get("use_megatron_fsdp", False):
-        raise ValueError(
-            f"OAR importance on verl's Megatron engine does not support {prefix}.megatron.use_megatron_fsdp=True: "
-            "its forward gathers parameters over the data-parallel ranks, which then must run the same number "
-            "of model calls, and OAR's calls depend on each rank's samples (answers found, OAR-P copies). Set it "
-            f"to False (verl's default). Supported on Megatron: {MEGATRON_SUPPORTED}."
-        )
-    optim = node.get("optim", None) or {}
-    for where, overrides in (("optim.override_optimizer_config", optim.get("override_optimizer_config", None)),
-                             ("megatron.override_ddp_config", megatron.get("override_ddp_config", None))):
-        if overrides and overrides.get("overlap_param_gather", False):
-            raise ValueError(
-                f"OAR importance on verl's Megatron engine does not support {prefix}.{where}.overlap_param_gather=True: "
-                "the distributed optimizer then gathers parameters over the data-parallel ranks inside forward "
-                "hooks, so those ranks must run the same number of model calls, and OAR's calls depend on each "
-                f"rank's samples. Remove it (verl's default is off). Supported on Megatron: {MEGATRON_SUPPORTED}."
-            )
-    mtp = config.actor_rollout_ref.model.get("mtp", None)
-    if mtp is not None and mtp.get("enable", False):
-        raise ValueError(
-            "OAR importance on verl's Megatron engine is not checked with multi-token prediction "
-            "(actor_rollout_ref.model.mtp.enable=True, which patches the model's output stage). Set "
-            "actor_rollout_ref.model.mtp.enable=False, or use algorithm.adv_estimator=grpo."
-        )
 
 
 OAR_EXTRA_KEYS = ("oar_config", "oar_step", "oar_fused", "oar_method", "no_lora_adapter")

@@ -1,105 +1,74 @@
 """The trainer hook: compute token signals after old-log-probs, hand them to the estimator.
 
-verl extension point: the v1 trainer registry (``verl.trainer.ppo.v1.trainer_base``,
-``register_trainer`` / ``get_trainer_cls``). ``python -m verl.trainer.main_ppo`` looks the trainer up
-by ``trainer.v1.trainer_mode`` (default ``sync``); so that ``algorithm.adv_estimator=oar_g`` works
-with no other flag, the hook replaces the ``sync`` entry with ``OARTrainerSync``, a subclass that
-overrides three methods and calls ``super()`` in each. With any estimator that needs no token
-signal (grpo, gae, ...) it behaves exactly like verl's ``PPOTrainerSync``. The other registered
-modes, and the legacy ``RayPPOTrainer`` (``trainer.use_v1=false``), are wrapped so that an OAR
-estimator is refused at start-up instead of failing mid-run. These rebindings are verl-oar's only
-patch of verl outside CPU mode; the hook checks the verl version and that the registry still looks
-as expected (tests/unit/test_trainer_hook_on_cpu.py). Checked against verl 0.9.1.
+verl extension point: the v1 trainer registry (``verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY``,
+read by ``get_trainer_cls``). ``python -m verl.trainer.main_ppo`` builds ``TRAINER_REGISTRY[mode](config=...)``
+(``mode = trainer.v1.trainer_mode``, default ``sync``). So that ``algorithm.adv_estimator=oar_g`` works with
+no other flag, each registry entry becomes a *dispatcher*: a class whose construction looks at the
+configuration and returns
+
+- for an estimator that needs no token signal (grpo, gae, ...): an instance of verl's own class,
+  built exactly as verl would (``type(trainer) is PPOTrainerSync``);
+- for a token-level estimator under ``sync``: ``OARTrainerSync``, verl's ``PPOTrainerSync`` plus three
+  overridden methods that call ``super()``;
+- for a token-level estimator under any other mode: a start-up refusal (``validate``).
+
+verl's legacy ``RayPPOTrainer`` (``trainer.use_v1=false``) is left alone: it has no registry, and an
+OAR estimator called by it refuses at its first advantage computation, before any update
+(``signals.current_signals``). The dispatchers are installed when verl imports
+``verl.trainer.ppo.v1`` (``plugin``), checked against verl 0.9.1 (``compat``).
 """
 
 from __future__ import annotations
 
 import time
 
-SUPPORTED_VERL = ("0.9.",)
-LEGACY = "legacy"
-"""trainer mode name used here for verl's deprecated ``RayPPOTrainer`` (``trainer.use_v1=false``)"""
+from verl_oar.integration.validate import LEGACY, check_token_signals_supported, estimator_name
 
+__all__ = ["LEGACY", "OAR_TRAINERS", "check_token_signals_supported", "install_trainer_hook"]
 
-def _estimator_name(config) -> str:
-    est = config.algorithm.adv_estimator
-    return str(getattr(est, "value", est))
-
-
-def check_token_signals_supported(config, trainer_mode: str) -> tuple:
-    """Start-up checks for an estimator that needs token signals; returns its providers.
-
-    Raises ValueError naming the cause and the fix (unsupported trainer mode, bad
-    ``algorithm.oar`` keys, unsupported engine settings).
-    """
-    from verl_oar.integration.signals import needed_signals
-
-    providers = needed_signals(config.algorithm.adv_estimator)
-    if not providers:
-        return ()
-    name = _estimator_name(config)
-    if trainer_mode == LEGACY:
-        raise ValueError(
-            f"algorithm.adv_estimator={name} needs per-token signals, which verl-oar computes in verl's "
-            "v1 trainer only, not in the deprecated legacy trainer (trainer.use_v1=false). "
-            "Set trainer.use_v1=true (verl's default)."
-        )
-    if trainer_mode != "sync":
-        raise ValueError(
-            f"algorithm.adv_estimator={name} needs per-token signals, which verl-oar computes in verl's "
-            f"synchronous v1 trainer only, not trainer.v1.trainer_mode={trainer_mode!r}. "
-            "Set trainer.v1.trainer_mode=sync."
-        )
-    for provider in providers:
-        if provider.validate is not None:
-            provider.validate(config)
-    return providers
+OAR_TRAINERS: dict = {}
+"""trainer mode -> the class built for a token-level estimator (only ``sync``)"""
 
 
 def install_trainer_hook() -> None:
-    """Point verl's v1 trainer registry at the OAR-aware trainers. Idempotent."""
-    import verl
+    """Replace each entry of verl's v1 trainer registry by a dispatcher on the config. Idempotent."""
+    from verl_oar.integration import compat
 
-    if not verl.__version__.startswith(SUPPORTED_VERL):
-        raise RuntimeError(
-            f"verl-oar supports verl {', '.join(v + 'x' for v in SUPPORTED_VERL)}; found verl {verl.__version__}. "
-            "Install verl==0.9.1 or a verl-oar release made for your verl."
-        )
-    from verl.trainer.ppo.v1 import trainer_base
-    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-
-    registry = getattr(trainer_base, "TRAINER_REGISTRY", None)
-    if not isinstance(registry, dict) or registry.get("sync") not in (PPOTrainerSync, _CLASSES.get("sync")):
-        raise RuntimeError(
-            "verl's v1 trainer registry (verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY['sync']) is not "
-            "what verl-oar expects; this verl is not supported. Install verl==0.9.1."
-        )
+    registry = compat.trainer_registry()
     for mode, cls in list(registry.items()):
-        if getattr(cls, "_verl_oar_hooked", False):
+        if getattr(cls, "_verl_oar_dispatch", False):
             continue
-        registry[mode] = _oar_trainer_sync(cls) if mode == "sync" else _guarded(cls, mode)
-    # The legacy trainer has no registry: main_ppo_v0 does `from ray_trainer import RayPPOTrainer`
-    # when the TaskRunner imports it, which is after this plugin ran, so rebinding the name suffices.
-    from verl.trainer.ppo import ray_trainer
-
-    if not getattr(ray_trainer.RayPPOTrainer, "_verl_oar_hooked", False):
-        ray_trainer.RayPPOTrainer = _guarded(ray_trainer.RayPPOTrainer, LEGACY)
+        registry[mode] = _dispatcher(cls, mode)
 
 
-_CLASSES: dict = {}
-"""trainer mode -> the OAR-aware class installed for it (lets a second install recognise its own)"""
+def verl_trainer_cls(mode: str):
+    """verl's own class for trainer mode ``mode`` (behind the dispatcher, if installed)."""
+    from verl_oar.integration import compat
+
+    cls = compat.trainer_registry()[mode]
+    return getattr(cls, "_verl_cls", cls)
 
 
-def _guarded(cls, mode: str):
-    """``cls`` that refuses token-signal estimators at start-up (they need the sync trainer)."""
+def _dispatcher(cls, mode: str):
+    """A registry entry standing for verl's ``cls``: constructing it returns verl's ``cls`` instance for
+    non-token estimators and the OAR trainer (or a refusal) for token-level ones.
 
-    def __init__(self, config, *args, **kwargs):
-        check_token_signals_supported(config, mode)
-        cls.__init__(self, config, *args, **kwargs)
+    It subclasses ``cls`` only so that registry checks (``issubclass(.., PPOTrainer)``) and class
+    attributes still see verl's class; no instance of it is ever made: ``__new__`` returns an object
+    of another class, so Python does not call ``__init__`` on it again."""
 
-    guarded = type(cls.__name__, (cls,), {"__init__": __init__, "_verl_oar_hooked": True, "__module__": __name__})
-    _CLASSES[mode] = guarded
-    return guarded
+    def __new__(klass, *args, **kwargs):
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        if not check_token_signals_supported(config, mode):
+            return cls(*args, **kwargs)
+        if mode not in OAR_TRAINERS:
+            OAR_TRAINERS[mode] = _oar_trainer_sync(cls)
+        return OAR_TRAINERS[mode](*args, **kwargs)
+
+    return type(cls.__name__, (cls,), {
+        "__new__": __new__, "__module__": __name__, "__doc__": _dispatcher.__doc__,
+        "_verl_oar_dispatch": True, "_verl_cls": cls,
+    })
 
 
 def _oar_trainer_sync(base):
@@ -110,8 +79,6 @@ def _oar_trainer_sync(base):
 
     class OARTrainerSync(base):
         """verl's sync trainer, plus token signals for estimators that declare them."""
-
-        _verl_oar_hooked = True
 
         def __init__(self, config, *args, **kwargs):
             self._token_signals = check_token_signals_supported(config, "sync")
@@ -124,7 +91,7 @@ def _oar_trainer_sync(base):
                 from verl_oar.integration.worker import with_oar_worker
 
                 ref_scores = (self.config.algorithm.get("oar", None) or {}).get("importance_model", "actor") == "ref"
-                with_oar_worker(self.role_worker_mapping, _estimator_name(self.config), ref_scores=ref_scores)
+                with_oar_worker(self.role_worker_mapping, estimator_name(self.config), ref_scores=ref_scores)
 
         def _compute_old_log_prob(self, batch, metrics):
             for provider in self._token_signals:
@@ -173,7 +140,7 @@ def _oar_trainer_sync(base):
             return batch
 
     OARTrainerSync.__module__ = __name__
-    _CLASSES["sync"] = OARTrainerSync
+    OARTrainerSync.__qualname__ = "OARTrainerSync"
     return OARTrainerSync
 
 

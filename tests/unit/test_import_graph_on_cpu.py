@@ -1,0 +1,132 @@
+"""The package's dependencies point one way (docs/architecture.md): every import of every module,
+top-level or inside a function, read from the source; and what ``import verl`` really loads."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "verl_oar"
+
+ALLOWED = {
+    "core": {"core"},
+    "engines": {"core", "engines"},
+    "integration": {"core", "engines", "integration"},
+    "rewards": {"core", "rewards"},
+    "data": {"core", "data"},
+    "cpu": {"core", "rewards", "cpu"},
+    "tools": {"core", "tools"},
+    "testbed": {"core", "tools", "rewards", "cpu", "testbed"},
+}
+"""layer -> the layers its modules may import (itself included)"""
+
+EXCEPTIONS = {
+    ("integration/plugin.py", "verl_oar.cpu.platform"):
+        "CPU mode is opt-in (VERL_PLATFORM=cpu): the plugin registers verl's cpu platform only then",
+}
+"""(module, imported module) -> why this edge against the layering is allowed"""
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module ``path`` imports (absolute names; relative imports resolved), at any depth."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join(("verl_oar", *path.relative_to(PACKAGE).parent.parts))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module
+            names.append(module)
+            names.extend(f"{module}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return names
+
+
+def _layer(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "verl_oar" and parts[1] in ALLOWED else None
+
+
+def _violations() -> list[str]:
+    found = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        own = rel.split("/")[0] if "/" in rel else None
+        for name in _imports(path):
+            if own == "core" and (name == "verl" or name.startswith("verl.")):
+                found.append(f"{rel} imports {name}: core/ is pure torch, no verl")
+            target = _layer(name)
+            if target is None or any(rel == r and (name == m or name.startswith(m + ".")) for r, m in EXCEPTIONS):
+                continue
+            if own is None:  # verl_oar/__init__.py
+                found.append(f"{rel} imports {name}: the package root imports nothing")
+            elif target not in ALLOWED[own]:
+                found.append(f"{rel} imports {name}: {own}/ may import only {sorted(ALLOWED[own])}")
+    return sorted(set(found))
+
+
+def test_every_module_belongs_to_a_layer():
+    loose = [p.relative_to(PACKAGE).as_posix() for p in _modules()
+             if p.parent == PACKAGE and p.name != "__init__.py"]
+    assert not loose, f"modules outside the layers {sorted(ALLOWED)}: {loose}"
+    layers = {p.relative_to(PACKAGE).parts[0] for p in _modules() if p.parent != PACKAGE}
+    assert layers <= set(ALLOWED), layers - set(ALLOWED)
+
+
+def test_dependencies_point_one_way():
+    assert _violations() == []
+
+
+def test_the_check_sees_function_level_and_relative_imports():
+    probe = PACKAGE / "core" / "x_graph_probe.py"
+    probe.write_text("def f():\n    from verl_oar.testbed import chain_sum\n    import verl.utils\n"
+                     "from ..tools import heatmap\n")
+    try:
+        found = _violations()
+    finally:
+        probe.unlink()
+    assert "core/x_graph_probe.py imports verl_oar.testbed: core/ may import only ['core']" in found
+    assert "core/x_graph_probe.py imports verl.utils: core/ is pure torch, no verl" in found
+    assert "core/x_graph_probe.py imports verl_oar.tools: core/ may import only ['core']" in found
+
+
+HEAVY_OR_OPTIONAL = ("verl_oar.cpu", "verl_oar.testbed", "verl_oar.tools", "verl_oar.data")
+
+
+@pytest.mark.parametrize("cpu_mode", [False, True])
+def test_what_import_verl_loads_of_the_plugin(cpu_mode):
+    """A GPU run's processes (driver, TaskRunner, workers) load the plugin and its glue only, never
+    the CPU mode, the testbed, the tools or the data scripts; CPU mode loads ``cpu`` on request."""
+    code = (
+        "import sys\n"
+        "import verl\n"
+        "import verl.trainer.ppo.v1, verl.trainer.ppo.core_algos\n"
+        "import verl_oar.integration.worker, verl_oar.engines.driver\n"
+        "from verl_oar.integration import plugin\n"
+        "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('verl_oar'))))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "VERL_PLATFORM"}
+    if cpu_mode:
+        env["VERL_PLATFORM"] = "cpu"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = out.stdout.split()
+    assert "verl_oar.integration.estimators" in loaded and "verl_oar.integration.trainer" in loaded
+    heavy = [m for m in loaded if m.startswith(HEAVY_OR_OPTIONAL)]
+    if cpu_mode:
+        assert heavy and all(m.startswith("verl_oar.cpu") for m in heavy), heavy
+    else:
+        assert heavy == [], heavy
