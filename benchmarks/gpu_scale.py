@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_oar.core.gradient import GradientConfig, gradient_importance_in_forward  # noqa: E402
-from verl_oar.core.hf import HFPrefixModel  # noqa: E402
+from verl_oar.core.hf import HFPrefixModel, hf_importance  # noqa: E402
 from verl_oar.core.perturbation import (  # noqa: E402
     PerturbationConfig,
     naive_perturbation_importance,
@@ -134,15 +134,10 @@ def oar_g(model, ids, reasoning, predict, targets, segment, objective: str, fuse
     return importance
 
 
-def oar_p(prefix_model, ids, reasoning, predict, budget_tokens: int):
+def oar_p(model, ids, reasoning, predict, budget_tokens: int):
     cfg = PerturbationConfig(outcome="mean", mode="chunk", budget=16)
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    out = []
-    for i in range(ids.shape[0]):
-        span = occlusion_spans(reasoning[i], "chunk", 16)
-        out.append(perturbation_importance(prefix_model, ids[i], positions, span, predict[i], NEUTRAL_ID, cfg,
-                                           max_tokens=budget_tokens)[0])
-    return out
+    answer = torch.roll(predict, 1, dims=1)  # the tokens the predicting positions predict
+    return list(hf_importance(model, ids, reasoning, answer, cfg, neutral_id=NEUTRAL_ID, max_tokens=budget_tokens))
 
 
 def measure(fn, repeats: int, device: str) -> tuple[float, float]:
@@ -184,13 +179,12 @@ def run_model(name: str, args, device: str) -> dict:
     weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     data = batch(rows, prompt, response, shape["vocab_size"], device)
     ids, reasoning, predict, targets, segment = data
-    prefix_model = HFPrefixModel(model)
     result = {"rows": rows, "tokens_per_row": prompt + response, "weights_mib": round(weights_mib)}
     rows_to_time = {
         "logprob": lambda: logprob_pass(model, ids),
         "oar_g_fused": lambda: oar_g(model, *data, objective="noisy_kl"),
         "oar_g_loglik_fused": lambda: oar_g(model, *data, objective="loglik"),
-        "oar_p_chunk16": lambda: oar_p(prefix_model, ids, reasoning, predict, shape["budget"]),
+        "oar_p_chunk16": lambda: oar_p(model, ids, reasoning, predict, shape["budget"]),
     }
     for key, fn in rows_to_time.items():
         seconds, peak = measure(fn, args.repeats, device)
@@ -202,7 +196,7 @@ def run_model(name: str, args, device: str) -> dict:
     if args.agreement and name != "7b":
         one = tuple(t[:1] for t in data)
         bf16 = oar_g(model, *one, objective="noisy_kl")[0][one[1][0]].float().cpu()
-        del model, prefix_model
+        del model
         model32 = build(shape, torch.float32, device)
         fp32 = oar_g(model32, *one, objective="noisy_kl")[0][one[1][0]].float().cpu()
         result["agreement_bf16_vs_fp32_oar_g"] = {
@@ -210,7 +204,7 @@ def run_model(name: str, args, device: str) -> dict:
         print(f"[gpu_scale] {name} bf16 vs fp32 OAR-G: {result['agreement_bf16_vs_fp32_oar_g']}", flush=True)
         del model32
     else:
-        del model, prefix_model
+        del model
     if device == "cuda":
         torch.cuda.empty_cache()
     return result

@@ -10,7 +10,7 @@ reported as the median over ``--repeats`` runs divided by the median of the log-
 **re-implemented here** on the plain transformers model (a no-grad forward that computes every token's
 log-probability, what verl's old-log-prob step computes), not verl's engine pass (FSDP2, its
 micro-batching and post-processing); the two ``fused`` rows below re-implement the worker's fused pass
-the same way. The importance rows call the package's own functions (``gradient_importance``,
+the same way. The importance rows call the package's own functions (``hf_importance``,
 ``perturbation_importance``). Through verl's real engine, the fused pass's log-probs are checked
 bit-identical to verl's own (tests/engine/test_engine_importance_on_cpu.py), not timed. Rows:
 
@@ -75,8 +75,8 @@ from functools import partial
 
 import torch
 
-from verl_oar.core.gradient import GradientConfig, gradient_importance, make_hf_logits_fn
-from verl_oar.core.hf import HFPrefixModel
+from verl_oar.core.gradient import GradientConfig
+from verl_oar.core.hf import HFPrefixModel, hf_importance
 from verl_oar.core.perturbation import (
     PerturbationConfig,
     PerturbationCost,
@@ -129,11 +129,8 @@ def logprob_pass(model, ids):
 
 def ours(model, ids, reasoning, predict, targets, segment, objective: str):
     cfg = GradientConfig(objective=objective, outcome="mean")
-    embeds = model.get_input_embeddings()(ids).detach()
-    return gradient_importance(
-        make_hf_logits_fn(model), embeds, reasoning, predict, targets, segment, ids.shape[0], cfg,
-        generator=torch.Generator().manual_seed(0),
-    )
+    answer = torch.roll(predict, 1, dims=1)  # the tokens the predicting positions predict
+    return hf_importance(model, ids, reasoning, answer, cfg, generator=torch.Generator().manual_seed(0))
 
 
 def fused(model, ids, reasoning, predict, targets, segment):
@@ -152,11 +149,8 @@ def fused_noisy_kl(model, ids, reasoning, predict, targets, segment):
         clean_logits = model(input_ids=ids, use_cache=False).logits
         log_probs = torch.log_softmax(clean_logits.float(), -1).gather(-1, targets.unsqueeze(-1))
     cfg = GradientConfig(objective="noisy_kl", outcome="mean")
-    embeds = model.get_input_embeddings()(ids).detach()
-    importance = gradient_importance(
-        make_hf_logits_fn(model), embeds, reasoning, predict, targets, segment, ids.shape[0], cfg,
-        generator=torch.Generator().manual_seed(0), clean_logits=clean_logits,
-    )
+    importance = hf_importance(model, ids, reasoning, torch.roll(predict, 1, dims=1), cfg,
+                               generator=torch.Generator().manual_seed(0), clean_logits=clean_logits)
     return log_probs, importance
 
 
