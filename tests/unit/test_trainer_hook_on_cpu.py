@@ -60,6 +60,19 @@ def test_registry_entries_dispatch_to_verls_own_classes_and_leave_the_legacy_tra
     assert "_verl_oar" not in " ".join(vars(ray_trainer.RayPPOTrainer)), "the legacy trainer must be verl's"
 
 
+def test_the_legacy_trainer_refuses_a_token_estimator_at_construction_and_is_otherwise_verls():
+    """verl's legacy TaskRunner builds ``main_ppo_v0.RayPPOTrainer(config=..., ...)``; only that name is a
+    dispatcher (the legacy GRPO run itself: tests/e2e/test_legacy_trainer_on_cpu.py)."""
+    from verl.trainer import main_ppo_v0
+    from verl.trainer.ppo import ray_trainer
+
+    entry = main_ppo_v0.RayPPOTrainer
+    assert entry._verl_oar_dispatch and entry._verl_cls is ray_trainer.RayPPOTrainer
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "trainer.use_v1=false"])
+    with pytest.raises(ValueError, match="trainer.use_v1=true"):
+        entry(config=config, tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
+
+
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 @pytest.mark.parametrize("estimator", ["grpo", "gae", "rloo"])
 def test_a_non_token_estimator_gets_verls_own_trainer_object(estimator, mode):

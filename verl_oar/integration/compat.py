@@ -19,6 +19,9 @@ PRIVATE_NAMES: dict[str, str] = {
     "verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY":
         "trainer.install_trainer_hook replaces each entry by a dispatcher (verl offers register_trainer, "
         "which refuses to re-register a name)",
+    "verl.trainer.main_ppo_v0.RayPPOTrainer":
+        "trainer.install_legacy_guard rebinds this module-level name (what the legacy TaskRunner constructs) "
+        "to a dispatcher that refuses token-level estimators at start-up",
     "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._init_resource_pool_mgr":
         "OARTrainerSync swaps the actor worker class for one with OARWorkerMixin",
     "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._compute_old_log_prob":

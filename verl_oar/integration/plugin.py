@@ -7,9 +7,9 @@ and must not change verl for runs that do not use OAR, so it only arranges work 
 1. if ``VERL_PLATFORM=cpu`` (explicit opt-in, never auto-detected): register the CPU platform now;
 2. when verl imports ``verl.trainer.ppo.core_algos``: register the OAR estimators in its registry
    (through the upstream series' hook when verl has it, ``upstream_hook``);
-3. when verl imports ``verl.trainer.ppo.v1``: replace its trainer registry entries by dispatchers
-   that build verl's own trainer for every non-token estimator (``trainer``), unless verl has the
-   upstream hook.
+3. when verl imports ``verl.trainer.ppo.v1`` (or the legacy ``verl.trainer.main_ppo_v0``): replace its
+   trainer registry entries (the legacy trainer's name there) by dispatchers that build verl's own
+   trainer for every non-token estimator (``trainer``), unless verl has the upstream hook.
 
 Steps 2-3 run as post-import hooks (:func:`after_import`): processes that never import those modules
 never load verl-oar's glue. verl swallows a plugin's exception at debug log level, so a failure is
@@ -131,12 +131,22 @@ def _install_trainer_hook(_v1) -> None:
         install_trainer_hook()
 
 
+def _install_legacy_guard(main_ppo_v0) -> None:
+    from verl_oar.integration import upstream_hook
+
+    if not upstream_hook.available():
+        from verl_oar.integration.trainer import install_legacy_guard
+
+        install_legacy_guard(main_ppo_v0)
+
+
 def _load() -> None:
     from verl_oar.integration import compat
 
     compat.check_verl_version()
     after_import("verl.trainer.ppo.core_algos", _guarded(_register_estimators))
     after_import("verl.trainer.ppo.v1", _guarded(_install_trainer_hook))
+    after_import("verl.trainer.main_ppo_v0", _guarded(_install_legacy_guard))
     if cpu_mode_requested():
         from verl_oar.cpu.platform import register_cpu_platform
 

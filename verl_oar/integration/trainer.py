@@ -12,10 +12,12 @@ configuration and returns
   overridden methods that call ``super()``;
 - for a token-level estimator under any other mode: a start-up refusal (``validate``).
 
-verl's legacy ``RayPPOTrainer`` (``trainer.use_v1=false``) is left alone: it has no registry, and an
-OAR estimator called by it refuses at its first advantage computation, before any update
-(``signals.current_signals``). The dispatchers are installed when verl imports
-``verl.trainer.ppo.v1`` (``plugin``), checked against verl 0.9.1 (``compat``).
+verl's legacy trainer (``trainer.use_v1=false``) has no registry: ``main_ppo_v0`` builds
+``RayPPOTrainer(...)`` by the name it imported. That name, in ``main_ppo_v0`` only, becomes the same
+kind of dispatcher (mode ``legacy``): verl's ``RayPPOTrainer`` object for every non-token run, a
+start-up refusal for a token-level estimator; ``verl.trainer.ppo.ray_trainer.RayPPOTrainer`` itself is
+untouched. The dispatchers are installed when verl imports ``verl.trainer.ppo.v1`` or
+``verl.trainer.main_ppo_v0`` (``plugin``), checked against verl 0.9.1 (``compat``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 
 from verl_oar.integration.validate import LEGACY, check_token_signals_supported, estimator_name
 
-__all__ = ["LEGACY", "OAR_TRAINERS", "check_token_signals_supported", "install_trainer_hook"]
+__all__ = ["LEGACY", "OAR_TRAINERS", "check_token_signals_supported", "install_legacy_guard", "install_trainer_hook"]
 
 OAR_TRAINERS: dict = {}
 """trainer mode -> the class built for a token-level estimator (only ``sync``)"""
@@ -39,6 +41,13 @@ def install_trainer_hook() -> None:
         if getattr(cls, "_verl_oar_dispatch", False):
             continue
         registry[mode] = _dispatcher(cls, mode)
+
+
+def install_legacy_guard(main_ppo_v0) -> None:
+    """Make ``main_ppo_v0.RayPPOTrainer`` (the name its TaskRunner constructs) a dispatcher. Idempotent."""
+    cls = main_ppo_v0.RayPPOTrainer
+    if not getattr(cls, "_verl_oar_dispatch", False):
+        main_ppo_v0.RayPPOTrainer = _dispatcher(cls, LEGACY)
 
 
 def verl_trainer_cls(mode: str):
