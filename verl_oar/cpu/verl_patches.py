@@ -17,7 +17,9 @@ function, when verl no longer has it. ``tests/engine/test_cpu_mode_on_cpu.py`` c
    never pins; everything else about the policy is torch's.
 
 All patches are idempotent and are applied only by ``register_cpu_platform()``, i.e. only when the
-user set ``VERL_PLATFORM=cpu``.
+user set ``VERL_PLATFORM=cpu``. Each names the public verl function of verl-oar's upstream series
+(``upstream/verl-0.9.1/``, docs/upstream.md) that fixes the same thing; on a verl that has it the
+patch is skipped (the rollout is then registered through ``register_rollout_class``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,21 @@ class VerlPatch:
     """one sentence: what breaks on CPU without it"""
     apply: Callable[[Any], None]
     """applies the patch to the imported module; must be idempotent"""
+    upstream: tuple[str, str] | None = None
+    """(module, attribute) of the public verl API, added by verl-oar's upstream series, that makes
+    this patch unnecessary"""
+    use_upstream: Callable[[Any], None] | None = None
+    """called with that API instead of ``apply`` when this verl has it; None: nothing to do"""
+
+    def upstream_fix(self) -> Any:
+        """The public verl API that makes this patch unnecessary, or None when this verl lacks it."""
+        if self.upstream is None:
+            return None
+        try:
+            module = importlib.import_module(self.upstream[0])
+        except ImportError:
+            return None
+        return getattr(module, self.upstream[1], None)
 
     def target(self) -> Any:
         """Import the module and return the attribute, or raise ``VerlPatchError`` naming it."""
@@ -123,6 +140,10 @@ def _patch_process_group_backend(module: Any) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
+def _register_hf_through_verl(register_rollout_class: Any) -> None:
+    register_rollout_class(*HF_ROLLOUT_KEY, HF_SERVER_ADAPTER_FQN)
+
+
 def _register_hf_server_adapter(module: Any) -> None:
     table = module._ROLLOUT_REGISTRY
     if not isinstance(table, dict):
@@ -159,6 +180,7 @@ PATCHES: tuple[VerlPatch, ...] = (
         attribute="initialize_global_process_group_ray",
         why='verl builds the backend "cpu:gloo,cpu:gloo" on the cpu platform and torch rejects it',
         apply=_patch_process_group_backend,
+        upstream=("verl.utils.distributed", "get_default_process_group_backend"),
     ),
     VerlPatch(
         name="hf_rollout_adapter",
@@ -166,6 +188,8 @@ PATCHES: tuple[VerlPatch, ...] = (
         attribute="_ROLLOUT_REGISTRY",
         why="the worker-side rollout class is looked up in this private table, which has no register()",
         apply=_register_hf_server_adapter,
+        upstream=("verl.workers.rollout.base", "register_rollout_class"),
+        use_upstream=_register_hf_through_verl,
     ),
     VerlPatch(
         name="fsdp2_offload_without_pinning",
@@ -173,13 +197,20 @@ PATCHES: tuple[VerlPatch, ...] = (
         attribute="CPUOffloadPolicy",
         why="the FSDP2 engine offloads the reference model with pin_memory=True, which needs an accelerator",
         apply=_patch_offload_pin_memory,
+        upstream=("verl.utils.device", "is_pin_memory_available"),
     ),
 )
 
 
 def apply_verl_patches() -> None:
-    """Apply every patch in ``PATCHES`` (idempotent); raise ``VerlPatchError`` if one cannot apply."""
+    """Apply every patch in ``PATCHES`` that this verl still needs (idempotent); raise ``VerlPatchError``
+    if one cannot apply."""
     for patch in PATCHES:
+        fix = patch.upstream_fix()
+        if fix is not None:  # this verl fixed it publicly: no monkeypatch
+            if patch.use_upstream is not None:
+                patch.use_upstream(fix)
+            continue
         patch.target()
         patch.apply(importlib.import_module(patch.module))
 
@@ -193,5 +224,11 @@ def patches_applied() -> dict[str, bool]:
     return {
         "fsdp2_offload_without_pinning": bool(getattr(fsdp_impl.CPUOffloadPolicy, _PATCHED_MARK, False)),
         "process_group_backend": bool(getattr(distributed.initialize_global_process_group_ray, _PATCHED_MARK, False)),
-        "hf_rollout_adapter": rollout_base._ROLLOUT_REGISTRY.get(HF_ROLLOUT_KEY) == HF_SERVER_ADAPTER_FQN,
+        "hf_rollout_adapter": rollout_base._ROLLOUT_REGISTRY.get(HF_ROLLOUT_KEY) == HF_SERVER_ADAPTER_FQN
+        and not hasattr(rollout_base, "register_rollout_class"),
     }
+
+
+def upstream_fixes() -> dict[str, bool]:
+    """Name -> whether this verl has the public fix that makes the patch unnecessary (so it is skipped)."""
+    return {patch.name: patch.upstream_fix() is not None for patch in PATCHES}

@@ -15,7 +15,7 @@ import torch
 from verl_oar.core.config import OARConfig
 from verl_oar.core.reshape import importance_to_weights, reshape_advantages, reshape_stats
 from verl_oar.integration import importance_signal  # noqa: F401  (registers the token_importance provider)
-from verl_oar.integration.signals import current_signals, register_token_estimator
+from verl_oar.integration.signals import current_signals, needed_signals, register_token_estimator
 
 
 def reshaped_grpo_advantage(
@@ -108,6 +108,9 @@ def register_reshaped_grpo(name: str):
         epsilon: float = 1e-6,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        fields = {f: kwargs[f] for provider in needed_signals(name) for f in provider.fields if f in kwargs}
+        if fields:  # a verl with the upstream advantage hooks passes the token fields as keyword arguments
+            current_signals(name, response_mask).tensors.update(fields)
         return reshaped_grpo_advantage(name, token_level_rewards, response_mask, index, config, epsilon)
 
     estimator.__qualname__ = estimator.__name__ = f"compute_{name}_advantage"

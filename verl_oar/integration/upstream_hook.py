@@ -1,16 +1,148 @@
-"""verl-oar through the seams of verl's upstream patch series (``upstream/verl-0.9.1/``), when the
-installed verl has them: then the plugin registers its estimators and signal provider through them
-and does not touch verl's trainer registry.
+"""verl-oar through the seams of verl's upstream patch series (``upstream/verl-0.9.1/``, docs/upstream.md),
+when the installed verl has them: the plugin then registers its estimators and signal providers through
+verl's public API and neither subclasses verl's trainer nor touches its trainer registry.
+
+The seams (patches 0001 and 0002 of the series):
+
+- ``verl.trainer.ppo.core_algos.register_adv_est(name, extra_fields=...)``: the OAR estimators declare
+  their providers' TransferQueue fields; verl's ``_compute_advantage`` fetches them, pads them like
+  ``token_level_rewards`` and passes them as keyword arguments (``estimators.register_reshaped_grpo``);
+- ``verl.trainer.ppo.advantage_hooks.register_advantage_hooks(name, hooks)``: :class:`_TokenSignalHooks`
+  does what ``trainer.OARTrainerSync`` does in its overrides: start-up checks and guards (``validate``,
+  which refuses the legacy trainer and the async modes too), the OAR worker class (``configure_workers``),
+  the providers around the old-log-prob pass (``before_old_log_prob`` / ``after_old_log_prob``: prepare,
+  fuse, compute, report, timing) and the per-step state, metrics, guards and dump around the estimator
+  (``advantage_context``).
 """
 
 from __future__ import annotations
 
+import os
+import time
+from contextlib import contextmanager
+
+_INSTALLED: dict = {}
+"""estimator name -> the hooks object registered for it in this process (install() is idempotent)"""
+
 
 def available() -> bool:
-    """True when the imported verl offers the upstream series' token-field hook."""
-    return False
+    """True when the imported verl offers the upstream series' hooks (patches 0001 and 0002)."""
+    try:
+        from verl.trainer.ppo import advantage_hooks, core_algos
+    except ImportError:
+        return False
+    return hasattr(core_algos, "get_adv_estimator_extra_fields") and hasattr(advantage_hooks, "register_advantage_hooks")
 
 
 def install() -> None:
-    """Register OAR through the upstream hook (only called when :func:`available`)."""
-    raise NotImplementedError("verl's upstream token-field hook is not wired yet")
+    """Register OAR through verl's hooks (only called when :func:`available`). Idempotent."""
+    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo.advantage_hooks import get_advantage_hooks, register_advantage_hooks
+
+    from verl_oar.integration.signals import ESTIMATOR_NEEDS, needed_signals
+
+    for name in ESTIMATOR_NEEDS:
+        fields = tuple(f for provider in needed_signals(name) for f in provider.fields)
+        # the same function again, now declaring its fields (verl allows re-registering the same function)
+        core_algos.register_adv_est(name, extra_fields=fields)(core_algos.get_adv_estimator_fn(name))
+        existing = get_advantage_hooks(name)
+        if getattr(existing, "_verl_oar_estimator", None) == name:
+            continue  # this module imported twice (or by file path): the first registration stands
+        register_advantage_hooks(name, _hooks_class()(name))
+        _INSTALLED[name] = get_advantage_hooks(name)
+
+
+_HOOKS_CLASS: list = []
+
+
+def _hooks_class():
+    """``_TokenSignalHooks`` over verl's ``AdvantageHooks`` (built on first use: verl must have the series)."""
+    if _HOOKS_CLASS:
+        return _HOOKS_CLASS[0]
+    from verl.trainer.ppo.advantage_hooks import AdvantageHooks
+
+    class _TokenSignalHooks(AdvantageHooks):
+        """Computes the token signals an OAR estimator needs, at verl's advantage hooks."""
+
+        def __init__(self, estimator: str):
+            self._verl_oar_estimator = estimator
+            self.providers: tuple = ()
+            self.guards: list = []
+            self._fused: set = set()
+            self._started = 0.0
+            self._announced = False
+
+        def validate(self, config, trainer_mode: str) -> None:
+            from verl_oar.integration.validate import LEGACY, check_token_signals_supported
+
+            mode = LEGACY if trainer_mode == "legacy" else trainer_mode
+            self.providers = check_token_signals_supported(config, mode)
+            self.guards = [p.guard(config) for p in self.providers if p.guard is not None]
+
+        def configure_workers(self, role_worker_mapping: dict, config) -> None:
+            from verl_oar.integration.worker import with_oar_worker
+
+            ref_scores = (config.algorithm.get("oar", None) or {}).get("importance_model", "actor") == "ref"
+            with_oar_worker(role_worker_mapping, self._verl_oar_estimator, ref_scores=ref_scores)
+
+        def before_old_log_prob(self, trainer, batch, metrics: dict) -> None:
+            if not self._announced:  # once per run: which trainer runs the signals (the e2e test reads it)
+                cls = type(trainer)
+                print(f"[verl-oar] token signals through verl's advantage hooks in {cls.__module__}.{cls.__qualname__}",
+                      flush=True)
+                self._announced = True
+            for provider in self.providers:
+                if provider.prepare is not None:
+                    provider.prepare(trainer, batch)
+            self._fused = {p.name for p in self.providers if p.fuse is not None and p.fuse(trainer, batch)}
+            self._started = time.perf_counter()
+
+        def after_old_log_prob(self, trainer, batch, metrics: dict) -> None:
+            for key in [k for k in batch.extra_info if str(k).startswith("oar_")]:
+                batch.extra_info.pop(key, None)
+            if self._fused:  # the signals came with the log-prob pass: report that pass's time
+                metrics["oar/fused_log_prob"] = 1.0
+                for name in self._fused:
+                    metrics[f"oar/timing_s/{name}"] = time.perf_counter() - self._started
+            for provider in self.providers:
+                if provider.name in self._fused:
+                    continue
+                started = time.perf_counter()
+                provider.compute(trainer, batch, metrics)
+                metrics[f"oar/timing_s/{provider.name}"] = time.perf_counter() - started
+            for provider in self.providers:
+                if provider.report is not None:
+                    metrics.update(provider.report(trainer, batch))
+
+        @contextmanager
+        def advantage_context(self, trainer, batch, metrics: dict):
+            from verl_oar.integration.signals import TokenSignals, provide, real_rows, session_final_rows
+
+            # the tensors arrive as the estimator's keyword arguments (estimators.register_reshaped_grpo)
+            signals = TokenSignals(tensors={}, step=int(trainer.global_steps), real_rows=real_rows(batch.tags),
+                                   session_final=session_final_rows(batch.keys))
+            with provide(signals):
+                yield signals
+            metrics.update({f"oar/{k}": v for k, v in signals.metrics.items()})
+            for guard in self.guards:
+                metrics.update(guard.observe(int(trainer.global_steps), signals.metrics))
+            dump_dir = trainer.config.algorithm.get("oar", {}).get("dump_dir", "")
+            if dump_dir:
+                _dump(dump_dir, int(trainer.global_steps), list(batch.keys), signals)
+
+    _TokenSignalHooks.__module__ = __name__
+    _HOOKS_CLASS.append(_TokenSignalHooks)
+    return _TokenSignalHooks
+
+
+def _dump(dump_dir: str, step: int, keys: list, signals) -> None:
+    """Save a step's token-level tensors (``algorithm.oar.dump_dir``), as ``trainer.OARTrainerSync`` does:
+    ``{dump_dir}/step_{step}.pt`` with the signals' tensors and artifacts, padded (bs, response_len) each."""
+    import torch
+
+    os.makedirs(dump_dir, exist_ok=True)
+    payload = {"step": step, "keys": keys, **signals.tensors, **signals.artifacts}
+    if signals.real_rows is not None:
+        payload["real_rows"] = signals.real_rows
+    torch.save({k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in payload.items()},
+               os.path.join(dump_dir, f"step_{step}.pt"))
