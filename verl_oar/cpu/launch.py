@@ -9,7 +9,8 @@
 3. prints where the step metrics went (verl's "file" logger, one JSON line per step).
 
 The exit code is the trainer's. Ray is started inside the trainer (verl's ``run_ppo``) and stopped
-when it exits; a stray Ray left by a crashed run is stopped by ``--ray-stop-first``.
+when it exits; with ``$VERL_OAR_RAY_ADDRESS`` set (``overrides.RAY_ADDRESS_ENV``), the trainer joins
+that running cluster instead, as the test session's trainer launches do.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from verl_oar.cpu.overrides import cpu_overrides, metrics_file
+from verl_oar.cpu.overrides import cpu_overrides, metrics_file, ray_address, ray_overrides
 
 SUMMARY_METRICS = (
     "critic/score/mean",
@@ -45,8 +46,20 @@ SUMMARY_METRICS = (
 DEFAULT_WORKDIR = Path(os.environ.get("VERL_OAR_CPU_WORKDIR", "~/.cache/verl_oar/cpu_workspace")).expanduser()
 
 
+JOB_ENV_KEYS = ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH", "TOKENIZERS_PARALLELISM", "VERL_LOGGING_LEVEL", "PYTHONPATH")
+"""what a run's Ray workers must see of its environment (with every ``VERL_OAR_*``): CPU mode, where
+its metrics go, and its import path (e.g. a patched verl first); verl's own runtime env
+(``get_ppo_ray_runtime_env``) sets none of them, so the two merge without conflict"""
+
+
 def trainer_env(metrics_path: Path) -> dict[str, str]:
-    """Environment for the trainer subprocess: the cpu platform, the metrics file, quiet tokenizers."""
+    """Environment for the trainer subprocess: the cpu platform, the metrics file, quiet tokenizers.
+
+    On a cluster of its own, Ray's workers inherit it (the trainer starts Ray). Joining a running
+    cluster (``$VERL_OAR_RAY_ADDRESS``), they would inherit that cluster's instead, so the variables
+    the workers read (``JOB_ENV_KEYS``: CPU mode, the metrics file of this run) go into the job's
+    runtime env through ``RAY_JOB_CONFIG_JSON_ENV_VAR``, the variable ``ray job submit`` sets for the
+    same purpose, which ``ray.init`` merges with the runtime env verl passes."""
     env = dict(os.environ)
     env["VERL_PLATFORM"] = "cpu"
     env["VERL_FILE_LOGGER_PATH"] = str(metrics_path)
@@ -55,6 +68,9 @@ def trainer_env(metrics_path: Path) -> dict[str, str]:
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     env.setdefault("HYDRA_FULL_ERROR", "1")
     # (CUDA_VISIBLE_DEVICES is left alone: Ray refuses a pretend GPU count when it is set to "")
+    if ray_address():
+        job_env = {k: v for k, v in env.items() if k in JOB_ENV_KEYS or k.startswith("VERL_OAR_")}
+        env["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps({"runtime_env": {"env_vars": job_env}})
     return env
 
 
@@ -91,6 +107,9 @@ def run_trainer(cmd: list[str], metrics_path: Path, *, cwd: Path, timeout_s: flo
     summary from verl's file logger; return its exit code (124 on timeout)."""
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     metrics_path.unlink(missing_ok=True)
+    joins = ray_overrides()
+    if ray_address() and joins[0] not in cmd:  # e.g. a recipe's copy, which asks for a cluster of its own
+        cmd = [*cmd, *joins]
     print("[verl-oar cpu] running: VERL_PLATFORM=cpu " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     start = time.time()
     proc = subprocess.Popen(cmd, env=trainer_env(metrics_path), cwd=str(cwd), start_new_session=True)

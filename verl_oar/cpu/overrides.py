@@ -111,9 +111,39 @@ def cpu_overrides(
         # --- v1 trainer: required: one TransferQueue storage unit (each wants a Ray CPU; 8 hang) ---
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         # --- Ray: required: verl counts GPUs; pretend one, and enough CPU slots for verl's actors ---
-        "+ray_kwargs.ray_init.num_gpus=1",
-        "ray_kwargs.ray_init.num_cpus=8",
+        *ray_overrides(),
     ]
+
+
+RAY_ADDRESS_ENV = "VERL_OAR_RAY_ADDRESS"
+"""A running Ray cluster (its GCS address, ``host:port``) that CPU runs join instead of starting one each.
+
+Unset (the default), ``main_ppo`` starts a local cluster with one pretend GPU and 8 CPU slots and stops
+it when it exits. Set (the test session sets it, tests/_ray_cluster.py), ``cpu_overrides`` and
+``launch.run_trainer`` point ``ray.init`` at that cluster, which must have those resources, and
+``launch.trainer_env`` hands the run's environment to its Ray workers as the job's runtime env (a
+cluster's workers otherwise inherit the cluster's environment, not the run's). Not the standard
+``RAY_ADDRESS``: recipes/launch.sh takes that one for ``ray job submit`` to a dashboard. Runs must not
+overlap in one cluster: verl's TransferQueue controller is a named actor in a fixed namespace."""
+
+
+def ray_address() -> str | None:
+    """The cluster CPU runs join (``$VERL_OAR_RAY_ADDRESS``), or None: each run starts its own."""
+    return os.environ.get(RAY_ADDRESS_ENV) or None
+
+
+def ray_overrides(address: str | None = None) -> list[str]:
+    """``ray_kwargs.ray_init`` for a CPU run: a cluster of its own with one pretend GPU and 8 CPU slots,
+    or, with ``address`` (default ``ray_address()``), joining that cluster (Ray refuses resource
+    counts when joining). Joining works after a recipe's own ``num_gpus``/``num_cpus`` overrides too."""
+    address = address or ray_address()
+    if address:
+        return [
+            f"++ray_kwargs.ray_init.address={address}",
+            "ray_kwargs.ray_init.num_cpus=null",
+            "++ray_kwargs.ray_init.num_gpus=null",
+        ]
+    return ["+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=8"]
 
 
 def metrics_file(workspace_dir: str | os.PathLike, experiment_name: str = "cpu_smoke") -> Path:

@@ -1,0 +1,87 @@
+"""How a CPU run finds its Ray cluster (verl_oar.cpu.overrides / launch): a cluster of its own by default,
+the running one named by ``$VERL_OAR_RAY_ADDRESS`` when set (the test session's, tests/_ray_cluster.py),
+with the run's environment handed to that cluster's workers. The runs themselves are tests/e2e."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _verl_config import compose_ppo_config
+from omegaconf import OmegaConf
+
+from verl_oar.cpu.launch import trainer_env
+from verl_oar.cpu.overrides import RAY_ADDRESS_ENV, cpu_overrides
+
+JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def _ray_init(overrides: list[str]) -> dict:
+    return OmegaConf.to_container(compose_ppo_config(overrides).ray_kwargs.ray_init)
+
+
+def test_without_a_cluster_address_a_run_starts_its_own_cluster(monkeypatch, tmp_path):
+    monkeypatch.delenv(RAY_ADDRESS_ENV, raising=False)
+    ray_init = _ray_init(cpu_overrides(tmp_path))
+    assert ray_init["num_gpus"] == 1 and ray_init["num_cpus"] == 8  # one pretend GPU
+    assert "address" not in ray_init
+    env = trainer_env(tmp_path / "m.jsonl")
+    assert env["VERL_PLATFORM"] == "cpu" and env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "m.jsonl")
+    assert JOB_CONFIG not in env  # the workers inherit the trainer's environment from the Ray it starts
+
+
+def test_with_a_cluster_address_a_run_joins_it_and_hands_its_environment_to_the_workers(monkeypatch, tmp_path):
+    monkeypatch.setenv(RAY_ADDRESS_ENV, "127.0.0.1:6380")
+    monkeypatch.setenv("VERL_OAR_SOMETHING", "x")
+    monkeypatch.setenv("PYTHONPATH", "/patched/verl")
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
+    ray_init = _ray_init(cpu_overrides(tmp_path))
+    # ray.init refuses resource counts when joining a cluster
+    assert ray_init["address"] == "127.0.0.1:6380" and ray_init["num_cpus"] is None and ray_init["num_gpus"] is None
+    # also after overrides that ask for a cluster of its own (a recipe's CPU copy): run_trainer appends these
+    from verl_oar.cpu.overrides import ray_overrides
+
+    own = ["+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=8"]
+    assert _ray_init(own + ray_overrides()) == ray_init
+    env = trainer_env(tmp_path / "m.jsonl")
+    job_env = json.loads(env[JOB_CONFIG])["runtime_env"]["env_vars"]
+    assert job_env["VERL_PLATFORM"] == "cpu"
+    assert job_env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "m.jsonl")
+    assert job_env["VERL_OAR_SOMETHING"] == "x" and job_env["PYTHONPATH"] == "/patched/verl"
+    assert "RAY_DEDUP_LOGS" not in job_env  # the driver's business, not the workers'
+
+
+def test_the_job_environment_merges_with_verls_runtime_env(monkeypatch, tmp_path):
+    """ray.init refuses a job runtime env that sets a variable verl's own runtime env also sets."""
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    monkeypatch.setenv(RAY_ADDRESS_ENV, "127.0.0.1:6380")
+    env = trainer_env(tmp_path / "m.jsonl")
+    job_env = json.loads(env[JOB_CONFIG])["runtime_env"]["env_vars"]
+    with monkeypatch.context() as m:
+        for key, value in env.items():  # verl computes its runtime env in the trainer's environment
+            m.setenv(key, value)
+        verl_env = get_ppo_ray_runtime_env(compose_ppo_config(cpu_overrides(tmp_path)))["env_vars"]
+    assert not set(job_env) & set(verl_env), set(job_env) & set(verl_env)
+
+
+@pytest.mark.parametrize("address", [None, "127.0.0.1:6380"])
+def test_run_trainer_joins_a_cluster_only_when_one_is_named(monkeypatch, tmp_path, address):
+    """run_trainer's command: the given one, plus the join overrides when a cluster is named."""
+    import verl_oar.cpu.launch as launch
+
+    if address:
+        monkeypatch.setenv(RAY_ADDRESS_ENV, address)
+    else:
+        monkeypatch.delenv(RAY_ADDRESS_ENV, raising=False)
+    args_file = tmp_path / "args.json"
+    script = f"import json, sys; json.dump(sys.argv[1:], open({str(args_file)!r}, 'w'))"
+    rc = launch.run_trainer(["python3", "-c", script, "a=1"], tmp_path / "m.jsonl", cwd=Path(tmp_path), timeout_s=60)
+    assert rc == 0
+    args = json.loads(args_file.read_text())
+    if address:
+        assert args == ["a=1", f"++ray_kwargs.ray_init.address={address}", "ray_kwargs.ray_init.num_cpus=null",
+                        "++ray_kwargs.ray_init.num_gpus=null"]
+    else:
+        assert args == ["a=1"]
