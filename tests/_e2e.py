@@ -8,6 +8,19 @@ from pathlib import Path
 
 import torch
 
+RECIPE_CPU_COPIES = ("qwen2_5_math_1_5b_oar_g", "qwen2_5_math_1_5b_oar_p")
+"""the recipes whose CPU copies train in tests/e2e/test_recipes_on_cpu.py; that they, with
+``REF_MODEL_RUN``, cover every FSDP2 OAR recipe's settings is checked in
+tests/unit/test_recipe_configs_on_cpu.py"""
+
+REF_MODEL_RUN = (
+    "+algorithm.oar.importance_model=ref", "+algorithm.oar.objective=loglik", "+algorithm.oar.saliency=grad_norm",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+)
+"""tests/e2e/test_oar_g_e2e_on_cpu.py's OAR-G run on top of CPU mode's overrides: importance from the
+reference model, the other objective and saliency, and the reference model offloaded as the 7B recipes
+offload it (the one setting of theirs the 1.5B copies do not run)"""
+
 OAR_KEYS = (
     "oar/timing_s/token_importance", "oar/weight/min", "oar/weight/max", "oar/weight/frac_suppressed",
     "oar/weight/frac_amplified", "oar/mass_error/max_abs", "oar/fallback/frac_any",

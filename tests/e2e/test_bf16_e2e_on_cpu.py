@@ -9,6 +9,7 @@ metrics must be there. Marked slow: minutes on 2 cores."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ import pytest
 from _e2e import OAR_KEYS
 
 from verl_oar.cpu.launch import read_metrics
-from verl_oar.cpu.overrides import metrics_file
+from verl_oar.cpu.overrides import RAY_ADDRESS_ENV, metrics_file
 
 BF16 = (
     "++actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}",
@@ -29,11 +30,14 @@ AGREEMENT = "training/rollout_probs_diff_mean"
 @pytest.mark.slow
 def test_oar_g_in_bf16_trains_with_grpos_rollout_trainer_agreement(cpu_workspace_dir, tmp_path):
     runs = {}
+    # the two runs train at once, each on a Ray cluster of its own: runs cannot overlap in the session's
+    # shared cluster (verl's TransferQueue controller is one named actor per cluster)
+    env = {k: v for k, v in os.environ.items() if k != RAY_ADDRESS_ENV}
     for estimator in ("grpo", "oar_g"):
         log = open(tmp_path / f"{estimator}.log", "w")
         cmd = [sys.executable, "-m", "verl_oar.cpu.launch", "--workdir", str(cpu_workspace_dir), "--steps", "2",
                "--adv-estimator", estimator, "--experiment-name", f"e2e_bf16_{estimator}", "--timeout", "540", *BF16]
-        runs[estimator] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
+        runs[estimator] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
     for estimator, (proc, log) in runs.items():
         rc = proc.wait(timeout=600)
         log.close()

@@ -1,12 +1,12 @@
 """End to end through ``python -m verl_oar.cpu.launch`` (CPU mode's own overrides, static micro-batches):
-OAR-G from the reference model with the other objective and saliency, and the start-up refusals.
+OAR-G from the (offloaded) reference model with the other objective and saliency, and the start-up refusals.
 The default OAR-G and OAR-P runs (2 steps, dumped tensors checked) are the recipes' CPU copies in
 test_recipes_on_cpu.py. Marked slow: minutes on 2 cores."""
 
 from __future__ import annotations
 
 import pytest
-from _e2e import OAR_KEYS, launch
+from _e2e import OAR_KEYS, REF_MODEL_RUN, launch
 
 from verl_oar.cpu.launch import read_metrics
 from verl_oar.cpu.overrides import metrics_file
@@ -29,8 +29,10 @@ def test_oar_g_refuses_at_startup_with_cause_and_fix(cpu_workspace_dir, tmp_path
 
 @pytest.mark.slow
 def test_oar_g_with_reference_model_importance_and_the_other_objective_and_saliency(cpu_workspace_dir, tmp_path):
-    extra = ("+algorithm.oar.importance_model=ref", "+algorithm.oar.objective=loglik", "+algorithm.oar.saliency=grad_norm")
-    rc, log = launch(cpu_workspace_dir, tmp_path / "log", "e2e_oar_g_ref", *extra)
+    """The reference model is offloaded (its parameters leave the device between passes), as the 7B
+    recipes have it: OAR's importance pass on it must bring them back (tests/unit/test_recipe_configs_on_cpu.py
+    counts this run as the 7B recipes' CPU copy for that setting)."""
+    rc, log = launch(cpu_workspace_dir, tmp_path / "log", "e2e_oar_g_ref", *REF_MODEL_RUN)
     assert rc == 0, log[-6000:]
     records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_oar_g_ref"))
     assert [r["step"] for r in records] == [1, 2]

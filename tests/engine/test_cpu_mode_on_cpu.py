@@ -1,9 +1,8 @@
-"""CPU mode (``verl_oar.cpu``): platform, verl patches, workspace, reward, hf rollout, and one real run.
+"""CPU mode (``verl_oar.cpu``): platform, verl patches, workspace, reward, hf rollout.
 
 verl resolves its platform once per process, so everything that needs ``VERL_PLATFORM=cpu`` runs in a
-fresh subprocess; the rest runs in-process. The end-to-end test (marked ``slow``) runs verl's legacy
-trainer through the launcher for 2 GRPO steps (about 1.5 minutes); the v1 trainer's GRPO runs are the
-GRPO recipes' CPU copies (test_recipes_on_cpu.py).
+fresh subprocess; the rest runs in-process. The trainer runs in CPU mode are tests/e2e (verl's legacy
+trainer: tests/e2e/test_legacy_trainer_on_cpu.py).
 """
 
 from __future__ import annotations
@@ -337,40 +336,3 @@ def test_hf_rollout_takes_weight_updates(hf_server):
             hf_server.update_weights({output_name: original[output_name]})
     finally:
         hf_server.model.load_state_dict(original)
-
-
-# ---------------------------------------------------------------------------------------------------
-# end to end: verl's real trainer
-# ---------------------------------------------------------------------------------------------------
-
-
-def _run_launcher(workspace: Path, log: Path, experiment: str, *extra: str) -> list[dict]:
-    """Run ``python -m verl_oar.cpu.launch`` for 2 GRPO steps; assert success; return the step records."""
-    from verl_oar.cpu.launch import read_metrics
-    from verl_oar.cpu.overrides import metrics_file
-
-    with open(log, "w") as fp:
-        proc = subprocess.run(
-            [
-                sys.executable, "-m", "verl_oar.cpu.launch",
-                "--workdir", str(workspace),
-                "--steps", "2",
-                "--adv-estimator", "grpo",
-                "--experiment-name", experiment,
-                "--timeout", "330",
-                *extra,
-            ],
-            check=False, stdout=fp, stderr=subprocess.STDOUT, timeout=360,
-        )  # fmt: skip
-    tail = log.read_text()[-6000:]
-    assert proc.returncode == 0, tail
-    records = read_metrics(metrics_file(workspace, experiment))
-    assert [r["step"] for r in records] == [1, 2], tail
-    return records
-
-
-@pytest.mark.slow
-def test_grpo_two_steps_with_verls_legacy_trainer_on_cpu(cpu_workspace_dir: Path, tmp_path: Path):
-    records = _run_launcher(cpu_workspace_dir, tmp_path / "trainer.log", "e2e_test_grpo_legacy", "--legacy")
-    for record in records:
-        assert {"critic/score/mean", "actor/pg_loss"} <= set(record["data"])

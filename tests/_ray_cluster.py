@@ -1,0 +1,127 @@
+"""One local Ray cluster for a test session's trainer launches (tests/e2e/conftest.py starts it).
+
+Each CPU-mode trainer run otherwise starts and stops a Ray cluster of its own (``ray.init()`` in
+verl's ``run_ppo``). Here a holder process -- ``python tests/_ray_cluster.py``, a child of pytest --
+starts one with ``ray.init`` (the resources a CPU run asks for: ``RESOURCES``), prints its GCS
+address, then answers ``leftovers`` on stdin with what is still alive in the cluster: actors,
+placement groups, drivers and held resources of finished runs (a run must leave nothing behind that
+the next run could see: verl's TransferQueue controller, for one, is a named actor in a fixed
+namespace). Closing its stdin shuts the cluster down; nothing else on the machine is touched (no
+``ray stop``, which would stop every Ray cluster of the user, other people's test runs included).
+
+Trainer launches join the cluster through ``$VERL_OAR_RAY_ADDRESS`` (``verl_oar.cpu.overrides``) and
+the cluster's ``$RAY_AUTH_MODE`` (``SharedRayCluster.env``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from verl_oar.cpu.overrides import RAY_ADDRESS_ENV
+
+RESOURCES = {"num_cpus": 8, "num_gpus": 1}
+"""what one CPU run's own cluster has (``cpu_overrides``): one pretend GPU, 8 CPU slots for verl's actors"""
+OBJECT_STORE_BYTES = 1 << 30
+"""1 GiB: the CPU runs move a tiny model and batches of 16 rows (Ray's default would be 30% of memory)"""
+
+
+class SharedRayCluster:
+    """The holder process, seen from pytest."""
+
+    def __init__(self, log: Path):
+        env = dict(os.environ)
+        # the workers must get CPU mode from each run's job (trainer_env), not from the cluster
+        env.pop("VERL_PLATFORM", None)
+        env.pop("RAY_ADDRESS", None)
+        env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            text=True, env=env, start_new_session=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"the shared Ray cluster did not start; its log: {log}\n{Path(log).read_text()[-3000:]}")
+        started = json.loads(line)
+        self.address = started["address"]
+        self.env = {RAY_ADDRESS_ENV: self.address}
+        """what a launch needs in its environment to join: the address, and the cluster's authentication
+        mode (Ray >= 2.5x starts a local cluster with token authentication and stores the token in
+        ~/.ray/auth_token; a driver that joins uses it only with ``RAY_AUTH_MODE=token``)"""
+        if started["auth_mode"]:
+            self.env["RAY_AUTH_MODE"] = started["auth_mode"]
+
+    def leftovers(self) -> dict:
+        """What finished runs left in the cluster ({} when nothing)."""
+        self.proc.stdin.write("leftovers\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def wait_for_no_leftovers(self, patience_s: float = 60.0) -> dict:
+        """Ray ends a finished driver's actors and placement groups asynchronously (seconds): wait up
+        to ``patience_s`` for them to go; return what is still there then ({} when nothing)."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            left = self.leftovers()
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()  # the holder shuts Ray down and exits
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            from verl_oar.cpu.launch import stop_process_group
+
+            stop_process_group(self.proc)
+        self._log.close()
+
+
+def _leftovers(own_job: str) -> dict:
+    import ray
+    from ray._private import state
+
+    out = {}
+    actors = [
+        f"{a.get('Name') or a['ActorClassName']} ({a['State']}, job {a['JobID']})"
+        for a in state.actors().values()
+        if a["State"] != "DEAD"
+    ]
+    if actors:
+        out["actors"] = actors
+    groups = [f"{g['name'] or pg_id} ({g['state']})" for pg_id, g in ray.util.placement_group_table().items()
+              if g["state"] != "REMOVED"]
+    if groups:
+        out["placement_groups"] = groups
+    drivers = [j["JobID"] for j in state.jobs() if not j["IsDead"] and j["JobID"] != own_job]
+    if drivers:
+        out["live_drivers"] = drivers
+    total, free = ray.cluster_resources(), ray.available_resources()
+    held = {k: total[k] - free.get(k, 0.0) for k in ("CPU", "GPU") if total.get(k, 0.0) - free.get(k, 0.0) > 1e-9}
+    if held:
+        out["held_resources"] = held
+    return out
+
+
+def _hold() -> None:
+    import ray
+
+    ray.init(**RESOURCES, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=False)
+    own_job = ray.get_runtime_context().get_job_id()
+    address = ray.get_runtime_context().gcs_address
+    print(json.dumps({"address": address, "auth_mode": os.environ.get("RAY_AUTH_MODE")}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "leftovers":
+            print(json.dumps(_leftovers(own_job)), flush=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    _hold()
