@@ -3,7 +3,8 @@
 One module-scoped copy of the installed verl (package + the tests its wheel ships) with the series
 applied by ``upstream/apply.sh``; then, against that copy (first on ``PYTHONPATH``):
 1. a subset of verl's own CPU tests and the series' new tests pass;
-2. CPU mode needs no monkeypatch of it (each patch sees verl's public fix and is skipped);
+2. CPU mode needs no monkeypatch of it (each patch sees verl's public fix and is skipped), and verl's
+   ``oar`` estimator (patch 0006) gives verl-oar's own reshaping weights, bit for bit;
 3. a 2-step ``oar_g`` CPU training runs through verl's advantage hooks: the plugin does not install
    its trainer subclass, the hooks run in verl's own ``PPOTrainerSync``, and the OAR metrics are logged.
 Marked slow: about 2-3 minutes on 2 cores (mostly the training).
@@ -36,6 +37,7 @@ SERIES_TESTS = (
     "tests/utils/test_process_group_backend_on_cpu.py",
     "tests/workers/rollout/test_rollout_registration_on_cpu.py",
     "tests/workers/engine/test_fsdp2_offload_pin_memory_on_cpu.py",
+    "tests/trainer/ppo/test_oar_advantage_on_cpu.py",
 )
 HOOK_LINE = "[verl-oar] token signals through verl's advantage hooks in verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync"
 """printed by verl_oar.integration.upstream_hook at the first step, naming the trainer's class"""
@@ -58,7 +60,7 @@ def patched_verl(tmp_path_factory) -> Path:
     assert proc.returncode == 0, f"the upstream series does not apply to the installed verl:\n{proc.stderr}"
     patches = sorted(p.name for p in SERIES.glob("*.patch"))
     log = subprocess.run(["git", "-C", str(dest), "log", "--format=%s"], capture_output=True, text=True, check=True)
-    assert len(patches) == 5 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
+    assert len(patches) == 6 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
     return dest
 
 
@@ -84,14 +86,26 @@ def test_cpu_mode_applies_no_monkeypatch_to_the_patched_verl(patched_verl):
         "from verl.trainer.ppo.v1 import trainer_base\n"
         "from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync\n"
         "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
-        "assert verl.__file__.startswith(%r), verl.__file__\n"
+        "assert verl.__file__.startswith(PATCHED), verl.__file__\n"
         "assert upstream_hook.available()\n"
         "assert all(upstream_fixes().values()), upstream_fixes()\n"
         "assert not any(patches_applied().values()), patches_applied()\n"
         "assert get_rollout_class('hf', 'async').__name__ == 'HFServerAdapter'\n"
         "assert trainer_base.TRAINER_REGISTRY['sync'] is PPOTrainerSync\n"
+        "import torch\n"
+        "from verl.trainer.ppo.oar import oar_token_weights\n"
+        "from verl_oar.core.reshape import ReshapeConfig, importance_to_weights\n"
+        "torch.manual_seed(0)\n"
+        "for trial in range(20):\n"
+        "    imp, mask = torch.randn(6, 20) * 3, torch.rand(6, 20) < 0.6\n"
+        "    imp[0, 3] = float('nan')\n"
+        "    found = torch.rand(6) < 0.8\n"
+        "    kw = dict(tau=trial / 19, beta=0.5 + trial % 3, floor=0.1, amplify=trial % 2 == 0,\n"
+        "              suppress=trial % 3 != 0, preserve_mass=trial % 4 != 0)\n"
+        "    ours = importance_to_weights(imp, mask, ReshapeConfig(**kw), answer_found=found).weights\n"
+        "    assert torch.equal(oar_token_weights(imp, mask, found, **kw), ours), trial\n"
         "print('OK')\n"
-    ) % str(patched_verl)
+    ).replace("PATCHED", repr(str(patched_verl)))
     proc = subprocess.run([sys.executable, "-c", code], env=_env(patched_verl, VERL_PLATFORM="cpu"),
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
