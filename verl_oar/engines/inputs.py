@@ -35,6 +35,15 @@ def padded(rows: torch.Tensor, pad: int = 0) -> torch.Tensor:
     return torch.nested.to_padded_tensor(rows, padding=pad)
 
 
+def rollout_temperature(micro_batch: TensorDict) -> torch.Tensor | float:
+    """The rollout temperature verl put in the batch: (bs,) float32 when it varies per sample (a
+    tensor of several values), else one float. Each engine path spreads it over its own layout."""
+    temperature = micro_batch["temperature"]
+    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
+        return temperature.to(torch.float32).reshape(-1)
+    return float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)
+
+
 def add_outcome_masks(
     data: TensorDict, tokenizer, locator=None, line_ends: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,15 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_oar.core.perturbation import PerturbationCost, occlusion_spans, perturbation_importance
-from verl_oar.engines.inputs import LINE_END, PREDICT, REASONING, nested
-
-
-def _row_temperatures(micro_batch: TensorDict, rows: int) -> list[float]:
-    temperature = micro_batch["temperature"]
-    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
-        return [float(t) for t in temperature.reshape(-1)[:rows]]
-    value = float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)
-    return [value] * rows
+from verl_oar.engines.inputs import LINE_END, PREDICT, REASONING, nested, rollout_temperature
 
 
 def score_samples(
@@ -34,7 +26,9 @@ def score_samples(
     reasoning = micro_batch[REASONING].unbind()
     predict = micro_batch[PREDICT].unbind()
     line_end = micro_batch[LINE_END].unbind() if pcfg.mode == "line" else [None] * len(ids_rows)
-    temperatures = _row_temperatures(micro_batch, len(ids_rows))
+    temperature = rollout_temperature(micro_batch)
+    temperatures = ([float(t) for t in temperature[: len(ids_rows)]] if isinstance(temperature, torch.Tensor)
+                    else [temperature] * len(ids_rows))
     costs, out = [], []
     for ids, pos, reason, pred, line, temp in zip(ids_rows, positions, reasoning, predict, line_end, temperatures,
                                                   strict=True):

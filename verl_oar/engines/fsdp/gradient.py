@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_oar.core.config import OARConfig
-from verl_oar.engines.inputs import PREDICT, REASONING, autocast_context, nested
+from verl_oar.engines.inputs import PREDICT, REASONING, autocast_context, nested, rollout_temperature
 from verl_oar.core.gradient import gradient_importance_in_forward
 from verl_oar.core.hf import OutcomeHead
 from verl_oar.core.noise import layout_noise
@@ -95,7 +95,9 @@ def gradient_micro_batch(
         hidden = engine.model_config.hf_config.hidden_size
         noise = layout_noise(micro_batch["input_ids"].unbind(), micro_batch[REASONING].unbind(), reasoning,
                              hidden, cfg.seed, step)
-    temp = _temperatures(micro_batch, segment, predict)
+    temp = rollout_temperature(micro_batch)  # per predicting position (N, 1), or one float
+    if isinstance(temp, torch.Tensor):
+        temp = temp[segment.clamp(min=0)][predict].unsqueeze(-1)
     head = OutcomeHead(engine.module, predict, temp, autocast_context(engine))
     outputs: dict = {}
 
@@ -137,11 +139,3 @@ def gradient_micro_batch(
             outputs.update(log_prob_outputs(raw))
     log_probs = {k: v.detach().cpu() for k, v in outputs.items()} if with_log_probs else None
     return unlayout(importance.detach().float().cpu()), log_probs
-
-
-def _temperatures(micro_batch: TensorDict, segment: torch.Tensor, predict: torch.Tensor) -> torch.Tensor | float:
-    """The rollout temperature of each predicting position, (N, 1) float32, or one float."""
-    temperature = micro_batch["temperature"]
-    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
-        return temperature.to(torch.float32)[segment.clamp(min=0)][predict].unsqueeze(-1)
-    return float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)

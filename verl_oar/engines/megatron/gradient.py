@@ -30,7 +30,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_oar.core.config import OARConfig
-from verl_oar.engines.inputs import PREDICT, REASONING, nested
+from verl_oar.engines.inputs import PREDICT, REASONING, nested, rollout_temperature
 from verl_oar.engines.megatron.forward import MegatronLogits
 from verl_oar.core.gradient import embedding_noise
 from verl_oar.core.noise import sequence_noise
@@ -113,7 +113,9 @@ def gradient_in_megatron_forward(
     )
     select = predict.flatten().nonzero().squeeze(1)        # predicting positions, row-major like the logits
     seg, tgt = segment.flatten()[select], targets.flatten()[select]
-    temp = _temperatures(micro_batch, num, device)[seg].unsqueeze(1)  # (N, 1)
+    temp = rollout_temperature(micro_batch)
+    temp = (temp.to(device)[:num] if isinstance(temp, torch.Tensor)
+            else torch.full((num,), temp, dtype=torch.float32, device=device))[seg].unsqueeze(1)  # (N, 1)
     log_prob_batch = micro_batch if with_log_probs else None
     gcfg = cfg.gradient_config()
     outputs: dict = {}
@@ -184,15 +186,6 @@ def gradient_in_megatron_forward(
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
     """Logits in float32 at least (bf16 upcast; float64 kept)."""
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
-
-
-def _temperatures(micro_batch: TensorDict, num: int, device) -> torch.Tensor:
-    """(bs,) float32 rollout temperature of each sample."""
-    temperature = micro_batch["temperature"]
-    if isinstance(temperature, torch.Tensor) and temperature.numel() > 1:
-        return temperature.to(device=device, dtype=torch.float32).reshape(-1)[:num]
-    value = float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)
-    return torch.full((num,), value, dtype=torch.float32, device=device)
 
 
 def _cpu(outputs: dict) -> dict:
