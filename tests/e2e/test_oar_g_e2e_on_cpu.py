@@ -1,5 +1,5 @@
 """End to end through ``python -m verl_oar.cpu.launch`` (CPU mode's own overrides, static micro-batches):
-OAR-G from the (offloaded) reference model with the other objective and saliency, and the start-up refusals.
+OAR-G from the (offloaded) reference model with the other objective and saliency, and a start-up refusal.
 The default OAR-G and OAR-P runs (2 steps, dumped tensors checked) are the recipes' CPU copies in
 test_recipes_on_cpu.py. Marked slow: minutes on 2 cores."""
 
@@ -13,17 +13,14 @@ from verl_oar.cpu.overrides import metrics_file
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra, expected",
-    # one refusal through the real trainer process (the hook runs there); every refusal, the legacy
-    # trainer's included, is checked in-process in test_trainer_hook_on_cpu.py
-    [(("+algorithm.oar.tua=0.5",), "Unknown key(s) algorithm.oar.tua")],
-    ids=["mistyped-key"],
-)
-def test_oar_g_refuses_at_startup_with_cause_and_fix(cpu_workspace_dir, tmp_path, extra, expected):
-    rc, log = launch(cpu_workspace_dir, tmp_path / "log", "e2e_oar_g_refused", *extra)
+def test_oar_g_on_verls_legacy_trainer_refuses_at_startup_with_cause_and_fix(cpu_workspace_dir, tmp_path):
+    """One refusal through the real trainer process: verl's legacy TaskRunner, in its Ray actor, imports
+    ``main_ppo_v0``, where the plugin's post-import hook made ``RayPPOTrainer`` a dispatcher; it refuses
+    OAR when the trainer is constructed, before any worker trains. Every refusal, and that a GRPO run
+    gets verl's own legacy ``RayPPOTrainer``, is checked in-process in tests/unit/test_trainer_hook_on_cpu.py."""
+    rc, log = launch(cpu_workspace_dir, tmp_path / "log", "e2e_oar_g_refused", "--legacy")
     assert rc != 0
-    assert expected in log, log[-6000:]
+    assert "trainer.use_v1=true" in log, log[-6000:]
     assert read_metrics(metrics_file(cpu_workspace_dir, "e2e_oar_g_refused")) == []  # not a single step ran
 
 

@@ -1,8 +1,7 @@
 """CPU mode (``verl_oar.cpu``): platform, verl patches, workspace, reward, hf rollout.
 
 verl resolves its platform once per process, so everything that needs ``VERL_PLATFORM=cpu`` runs in a
-fresh subprocess; the rest runs in-process. The trainer runs in CPU mode are tests/e2e (verl's legacy
-trainer: tests/e2e/test_legacy_trainer_on_cpu.py).
+fresh subprocess; the rest runs in-process. The trainer runs in CPU mode are tests/e2e.
 """
 
 from __future__ import annotations
