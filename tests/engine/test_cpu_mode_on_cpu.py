@@ -41,7 +41,7 @@ def _run_python(code: str, *, env_extra: dict[str, str] | None = None, timeout: 
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_cpu_platform_registers_and_runs_a_gloo_collective_in_a_fresh_process():
+def test_cpu_platform_registers_runs_a_gloo_collective_and_finds_every_patch_target_in_a_fresh_process():
     stdout = _run_python(
         """
         import os
@@ -84,24 +84,19 @@ def test_cpu_platform_registers_and_runs_a_gloo_collective_in_a_fresh_process():
         # never auto-detected: without VERL_PLATFORM=cpu the platform declines
         os.environ["VERL_PLATFORM"] = ""
         assert not PlatformRegistry.get("cpu")().is_platform_available(use_smi_check=True)
+
+        # each patch's target still exists in the installed verl (VerlPatchError names it if gone)
+        from verl_oar.cpu.verl_patches import PATCHES, check_verl_version
+        print("verl", check_verl_version())
+        for patch in PATCHES:
+            patch.target()
+            print("ok", patch.name, patch.module + "." + patch.attribute)
         print("OK")
         """,
         env_extra={"VERL_PLATFORM": "cpu"},
     )
     assert "OK" in stdout
-
-
-def test_each_verl_patch_target_still_exists_in_installed_verl():
-    stdout = _run_python(
-        """
-        from verl_oar.cpu.verl_patches import PATCHES, check_verl_version
-        print("verl", check_verl_version())
-        for patch in PATCHES:
-            patch.target()  # raises VerlPatchError naming the verl function if it is gone
-            print("ok", patch.name, patch.module + "." + patch.attribute)
-        """
-    )
-    assert stdout.count("ok ") == 3, stdout
+    assert stdout.count("ok ") == 3, stdout  # the three CPU-mode patches of verl, each target found
 
 
 def test_a_missing_patch_target_fails_loudly_with_its_name():
