@@ -9,23 +9,73 @@ from pathlib import Path
 import torch
 
 RECIPE_CPU_COPIES = ("qwen2_5_math_1_5b_oar_g", "qwen2_5_math_1_5b_oar_p")
-"""the recipes whose CPU copies train in tests/e2e/test_recipes_on_cpu.py; that they, with
-``REF_MODEL_RUN``, cover every FSDP2 OAR recipe's settings is checked in
-tests/unit/test_recipe_configs_on_cpu.py"""
+"""the recipes whose CPU copies train: OAR-G's in tests/e2e/test_resume_on_cpu.py (4 steps, then resumed),
+OAR-P's in tests/e2e/test_recipes_on_cpu.py; that they, with ``REF_MODEL_RUN``, cover every FSDP2 OAR
+recipe's settings is checked in tests/unit/test_recipe_configs_on_cpu.py"""
 
 REF_MODEL_RUN = (
     "+algorithm.oar.importance_model=ref", "+algorithm.oar.objective=loglik", "+algorithm.oar.saliency=grad_norm",
     "actor_rollout_ref.ref.fsdp_config.param_offload=True",
 )
-"""tests/e2e/test_oar_g_e2e_on_cpu.py's OAR-G run on top of CPU mode's overrides: importance from the
-reference model, the other objective and saliency, and the reference model offloaded as the 7B recipes
-offload it (the one setting of theirs the 1.5B copies do not run)"""
+"""tests/e2e/test_bf16_e2e_on_cpu.py's OAR-G run, on top of CPU mode's overrides (and bf16): importance
+from the reference model, the other objective and saliency, and the reference model offloaded as the 7B
+recipes offload it (the one setting of theirs the 1.5B copies do not run)"""
+
+PERTURB_KEYS = ("oar/perturb/copies_mean", "oar/perturb/copies_max", "oar/perturb/cost_passes_mean",
+                "oar/perturb/peak_call_tokens")
+RECIPE_PERTURB_BUDGET = 16
+"""the OAR-P recipes' ``perturb_budget`` (chunk mode)"""
 
 OAR_KEYS = (
     "oar/timing_s/token_importance", "oar/weight/min", "oar/weight/max", "oar/weight/frac_suppressed",
     "oar/weight/frac_amplified", "oar/mass_error/max_abs", "oar/fallback/frac_any",
     "oar/fallback/frac_no_answer", "oar/importance/mean",
 )
+
+
+def launch_recipe(workspace: Path, log: Path, name: str, steps: int, experiment: str, *extra: str,
+                  timeout_s: int = 400) -> tuple[int, str]:
+    """A recipe's CPU copy through its own launch script (``python -m verl_oar.cpu.recipe``)."""
+    from verl_oar.cpu.recipe import RECIPES_DIR
+
+    with open(log, "w") as fp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "verl_oar.cpu.recipe", name, "--workdir", str(workspace), "--steps", str(steps),
+             "--experiment-name", experiment, "--timeout", str(timeout_s), *extra],
+            stdout=fp, stderr=subprocess.STDOUT, timeout=timeout_s + 30, check=False,
+        )
+    text = log.read_text()
+    if proc.returncode == 0:
+        assert f"bash {RECIPES_DIR / f'run_{name}.sh'}" in text  # through the recipe's own script
+    return proc.returncode, text
+
+
+def check_recipe_records(records: list[dict], estimator: str) -> None:
+    """What every step of an OAR recipe's CPU copy must log: fp32 rollout/trainer agreement, OAR's keys,
+    mass preserved, answers grounded on the span the math reward graded; OAR-G fused into verl's
+    log-prob pass, OAR-P in chunk mode within its budget."""
+    import pytest
+
+    for record in records:
+        data = record["data"]
+        assert data["training/rollout_probs_diff_mean"] < 1e-4  # fp32 rollout and trainer agree
+        assert data["actor/pg_loss"] == data["actor/pg_loss"]  # not NaN
+        assert 0.0 <= data["critic/score/mean"] <= 1.0  # math-verify scores 0 or 1
+        assert all(k in data for k in OAR_KEYS), [k for k in OAR_KEYS if k not in data]
+        assert data["oar/mass_error/max_abs"] < 1e-4
+        # the math reward returns the span it graded, and OAR grounds on exactly that span
+        sources = {k: data[f"oar/answer/frac_{k}"] for k in ("none", "locator", "reward", "reward_rejected")}
+        assert sources["reward"] > 0 and sources["locator"] == 0 and sources["reward_rejected"] == 0, sources
+        assert abs(sum(sources.values()) - 1.0) < 1e-9
+        assert data["oar/fallback/frac_no_answer"] == pytest.approx(sources["none"])
+        assert data["oar/fallback/no_answer_streak"] in (0.0, 1.0, 2.0)
+        if estimator == "oar_g":
+            assert data["oar/fused_log_prob"] == 1.0  # the recipe fuses importance into the log-prob pass
+        else:
+            assert all(k in data for k in PERTURB_KEYS), [k for k in PERTURB_KEYS if k not in data]
+            assert "oar/fused_log_prob" not in data  # OAR-P runs in passes of its own
+            assert 0 < data["oar/perturb/copies_max"] <= RECIPE_PERTURB_BUDGET
+            assert data["oar/perturb/cost_passes_mean"] <= RECIPE_PERTURB_BUDGET + 1
 
 
 def launch(workspace: Path, log: Path, experiment: str, *extra: str, estimator: str = "oar_g") -> tuple[int, str]:

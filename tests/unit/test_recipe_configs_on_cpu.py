@@ -1,7 +1,8 @@
 """The recipes (recipes/config, recipes/run_*.sh): each composes with Hydra against verl's config, passes
 verl's validation and OAR's start-up checks, mirrors the published GRPO settings, and GRPO / OAR-G /
 OAR-P differ only in the estimator; the launch scripts pass their arguments; a Megatron recipe's CPU
-copy is refused. The CPU copies' trainer runs are tests/e2e/test_recipes_on_cpu.py."""
+copy is refused. The CPU copies' trainer runs are in tests/e2e/test_recipes_on_cpu.py (OAR-P) and
+tests/e2e/test_resume_on_cpu.py (OAR-G)."""
 
 from __future__ import annotations
 
@@ -149,10 +150,10 @@ TOKEN_BUDGETS = ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rol
 
 
 def test_the_cpu_copies_cover_every_fsdp2_oar_recipes_settings():
-    """The FSDP2 OAR recipes whose CPU copies do not train (tests/e2e/test_recipes_on_cpu.py) would run
+    """The FSDP2 OAR recipes whose CPU copies do not train (``RECIPE_CPU_COPIES``, _e2e.py) would run
     nothing the e2e tier does not: shrunk, each differs from a trained copy of the same estimator only in
     token budgets that a CPU step never reaches (one micro-batch per pass in every copy) and in values
-    that the reference-model run (``REF_MODEL_RUN``, test_oar_g_e2e_on_cpu.py) sets."""
+    that the reference-model run (``REF_MODEL_RUN``, test_bf16_e2e_on_cpu.py) sets."""
     from _e2e import RECIPE_CPU_COPIES, REF_MODEL_RUN
 
     from verl_oar.cpu.recipe import recipe_cpu_overrides

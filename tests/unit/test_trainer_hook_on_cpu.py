@@ -39,7 +39,7 @@ def test_registry_entries_dispatch_to_verls_own_classes_and_leave_the_legacy_tra
 
 def test_the_legacy_trainer_refuses_a_token_estimator_at_construction_and_is_otherwise_verls():
     """verl's legacy TaskRunner builds ``main_ppo_v0.RayPPOTrainer(config=..., ...)``; only that name is a
-    dispatcher (the refusal through a real legacy TaskRunner: tests/e2e/test_oar_g_e2e_on_cpu.py)."""
+    dispatcher. (Each e2e run's Ray workers load the plugin the same way, through ``import verl``.)"""
     from verl.trainer import main_ppo_v0
     from verl.trainer.ppo import ray_trainer
 
