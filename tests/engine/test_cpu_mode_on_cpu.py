@@ -1,17 +1,14 @@
 """CPU mode (``verl_oar.cpu``): platform, verl patches, workspace, reward, hf rollout.
 
-verl resolves its platform once per process, so everything that needs ``VERL_PLATFORM=cpu`` runs in a
-fresh subprocess; the rest runs in-process. The trainer runs in CPU mode are tests/e2e.
+verl resolves its platform once per process, so what needs ``VERL_PLATFORM=cpu`` runs in a fresh
+interpreter shared with the import-graph check (``cpu_mode_process``, tests/conftest.py); the rest runs
+in-process. The trainer runs in CPU mode are tests/e2e.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,84 +16,19 @@ import pytest
 from verl_oar.rewards.tiny_reward import FORMAT_BONUS, compute_score, last_boxed_content
 
 
-def _run_python(code: str, *, env_extra: dict[str, str] | None = None, timeout: int = 300) -> str:
-    """Run ``code`` in a fresh interpreter; assert it succeeds; return its stdout."""
-    env = dict(os.environ)
-    env.pop("VERL_PLATFORM", None)
-    env.update(env_extra or {})
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
-    return out.stdout
-
-
 # ---------------------------------------------------------------------------------------------------
 # platform and patches
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_cpu_platform_registers_runs_a_gloo_collective_and_finds_every_patch_target_in_a_fresh_process():
-    stdout = _run_python(
-        """
-        import os
-        import torch
-        import verl
-        from verl.utils.device import get_device_id, get_device_name, get_nccl_backend, get_torch_device
-        from verl.plugin.platform import PlatformRegistry, get_platform
-        from verl.workers.engine.base import EngineRegistry
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
-        from verl.workers.rollout.base import get_rollout_class
-        from verl.workers.rollout.replica import get_rollout_replica_class
-        from verl_oar.cpu.platform import register_cpu_platform
-        from verl_oar.cpu.verl_patches import patches_applied
-        from verl_oar.cpu.hf_rollout import HFReplica, HFServerAdapter
-
-        register_cpu_platform()  # the plugin already did; a second call is a no-op
-        assert get_platform().device_name == "cpu" and get_device_name() == "cpu"
-        assert get_nccl_backend() == "gloo"
-        assert torch.ones(1).to(get_device_id()).device.type == "cpu"
-        dev = get_torch_device()
-        dev.synchronize(); dev.empty_cache(); dev.set_device(0)
-        assert dev.memory_allocated() == 0 and dev.mem_get_info()[1] > 0
-        assert get_platform().ray_resource_options(1) == {"num_gpus": 1}
-
-        assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is FSDPEngineWithLMHead
-        assert EngineRegistry.get_engine_cls("value_model", "fsdp") is FSDPEngineWithValueHead
-        assert get_rollout_replica_class("hf") is HFReplica
-        assert get_rollout_class("hf", "async") is HFServerAdapter
-        assert all(patches_applied().values()), patches_applied()
-
-        # the patched process-group init builds "cpu:gloo", not the "cpu:gloo,cpu:gloo" torch rejects
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-        from verl.workers import engine_workers
-        engine_workers.initialize_global_process_group_ray(timeout_second=None)
-        t = torch.ones(3)
-        torch.distributed.all_reduce(t)
-        assert t.tolist() == [1.0, 1.0, 1.0]
-        torch.distributed.destroy_process_group()
-
-        # never auto-detected: without VERL_PLATFORM=cpu the platform declines
-        os.environ["VERL_PLATFORM"] = ""
-        assert not PlatformRegistry.get("cpu")().is_platform_available(use_smi_check=True)
-
-        # each patch's target still exists in the installed verl (VerlPatchError names it if gone)
-        from verl_oar.cpu.verl_patches import PATCHES, check_verl_version
-        print("verl", check_verl_version())
-        for patch in PATCHES:
-            patch.target()
-            print("ok", patch.name, patch.module + "." + patch.attribute)
-        print("OK")
-        """,
-        env_extra={"VERL_PLATFORM": "cpu"},
-    )
-    assert "OK" in stdout
-    assert stdout.count("ok ") == 3, stdout  # the three CPU-mode patches of verl, each target found
+def test_cpu_platform_registers_runs_a_gloo_collective_and_finds_every_patch_target_in_a_fresh_process(
+    cpu_mode_process,
+):
+    """``CPU_PLATFORM_CHECK`` (tests/_fresh_process.py) in the shared fresh CPU-mode interpreter."""
+    assert cpu_mode_process.returncode == 0, cpu_mode_process.failure()
+    assert "CPU-PLATFORM-OK" in cpu_mode_process.stdout, cpu_mode_process.failure()
+    found = [line for line in cpu_mode_process.stdout.splitlines() if line.startswith("ok ")]
+    assert len(found) == 3, cpu_mode_process.stdout  # the three CPU-mode patches, each target found
 
 
 def test_a_missing_patch_target_fails_loudly_with_its_name():

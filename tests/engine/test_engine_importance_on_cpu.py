@@ -5,31 +5,17 @@ them; the fused path (verl's old-log-prob pass that also yields importance) retu
 entropy bit-identical to verl's own pass and bit-identical importance, in fp32 and in bf16 mixed
 precision (FSDP2 ``param_dtype=bf16``, as real runs); and with the noise set to zero, the noisy KL
 and its gradient are exactly 0 (the clean and the noisy outcome are the same computation). The
-engine runs in a subprocess: torch.distributed's process group is process-global."""
+engine runs in a subprocess (tests/engine/conftest.py): torch.distributed's process group is process-global."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-HERE = os.path.dirname(__file__)
-
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine")
-    env = {**os.environ, "VERL_PLATFORM": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "engine_importance_check.py"), str(out)],
-        capture_output=True, text=True, timeout=900, env=env, cwd=HERE,
-    )
-    lines = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("CASE ")]
-    assert proc.returncode == 0 and len(lines) == 6, (proc.stdout[-3000:], proc.stderr[-5000:])
-    return lines
+def cases(engine_cases):
+    return engine_cases["importance"]  # run in the interpreter shared with the other engine check (conftest.py)
 
 
 def _name(case):

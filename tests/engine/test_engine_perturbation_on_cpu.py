@@ -3,7 +3,7 @@ the naive loop -- one whole-sequence plain-transformers forward per occluded cop
 definition, with packing on and off, several micro-batch sizes, dynamic batch size, parameter
 offload and the chunk and line modes; a sample's importance does not depend on the rest of its batch;
 the call leaves parameters, grads and optimizer state as it found them. The engine runs in a
-subprocess: torch.distributed's process group is process-global.
+subprocess (tests/engine/conftest.py): torch.distributed's process group is process-global.
 
 Tolerance: the engine runs in fp32 (verl has no fp64 engine) and a KL between two nearly equal
 distributions cancels catastrophically in fp32: differences of ~1e-6 in the logits (another batch
@@ -13,28 +13,13 @@ test_perturbation_importance_on_cpu.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-HERE = os.path.dirname(__file__)
-CASES = 5
-
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine_p")
-    env = {**os.environ, "VERL_PLATFORM": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "engine_perturbation_check.py"), str(out)],
-        capture_output=True, text=True, timeout=1200, env=env, cwd=HERE,
-    )
-    lines = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("CASE ")]
-    assert proc.returncode == 0 and len(lines) == CASES, (proc.stdout[-3000:], proc.stderr[-5000:])
-    return lines
+def cases(engine_cases):
+    return engine_cases["perturbation"]  # run in the interpreter shared with the other engine check (conftest.py)
 
 
 def _name(case):

@@ -4,8 +4,6 @@ top-level or inside a function, read from the source; and what ``import verl`` r
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -106,38 +104,13 @@ HEAVY_OR_OPTIONAL = ("verl_oar.cpu", "verl_oar.testbed", "verl_oar.tools", "verl
 
 
 @pytest.mark.parametrize("cpu_mode", [False, True])
-def test_what_import_verl_loads_of_the_plugin(cpu_mode):
+def test_what_import_verl_loads_of_the_plugin(cpu_mode, request):
     """A GPU run's processes (driver, TaskRunner, workers) load the plugin and its glue only, never
     the CPU mode, the testbed, the tools or the data scripts; CPU mode loads ``cpu`` on request.
-    ``import verl`` alone (verl's entry point) loads only the plugin and compat: the glue waits for the
-    modules it hooks into, then registers the estimators and makes verl's trainer registry entries
-    dispatchers, leaving the legacy ``RayPPOTrainer`` class verl's."""
-    code = (
-        "import sys\n"
-        "import verl\n"
-        "from verl_oar.integration import plugin\n"
-        "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
-        "glue = sorted(m for m in sys.modules if m.startswith('verl_oar.') and not m.startswith('verl_oar.cpu') and m not in "
-        "('verl_oar.integration', 'verl_oar.integration.plugin', 'verl_oar.integration.compat'))\n"
-        "assert not glue, glue\n"
-        "assert 'verl.trainer.ppo.core_algos' not in sys.modules\n"
-        "import verl.trainer.ppo.v1, verl.trainer.ppo.core_algos\n"
-        "from verl.trainer.ppo import core_algos, ray_trainer\n"
-        "from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY\n"
-        "assert {'oar_g', 'oar_p'} <= set(core_algos.ADV_ESTIMATOR_REGISTRY)\n"
-        "assert all(getattr(c, '_verl_oar_dispatch', False) for c in TRAINER_REGISTRY.values()), TRAINER_REGISTRY\n"
-        "assert ray_trainer.RayPPOTrainer.__module__ == 'verl.trainer.ppo.ray_trainer'\n"
-        "import verl_oar.integration.worker, verl_oar.engines.driver\n"
-        "from verl_oar.integration import plugin\n"
-        "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
-        "print(' '.join(sorted(m for m in sys.modules if m.startswith('verl_oar'))))\n"
-    )
-    env = {k: v for k, v in __import__("os").environ.items() if k != "VERL_PLATFORM"}
-    if cpu_mode:
-        env["VERL_PLATFORM"] = "cpu"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    loaded = out.stdout.split()
+    ``import verl`` alone (verl's entry point) loads only the plugin and compat
+    (``IMPORT_PROBE``, tests/_fresh_process.py, run first in a fresh interpreter)."""
+    process = request.getfixturevalue("cpu_mode_process" if cpu_mode else "plugin_process")
+    loaded = process.modules()  # the probe's line: it passed its assertions
     assert "verl_oar.integration.estimators" in loaded and "verl_oar.integration.trainer" in loaded
     heavy = [m for m in loaded if m.startswith(HEAVY_OR_OPTIONAL)]
     if cpu_mode:
