@@ -7,11 +7,66 @@ from pathlib import Path
 
 import pytest
 
+# One torch/OpenMP thread per test process and per process a launch starts (they inherit it): on 2
+# cores, two workers' multi-threaded torch ops oversubscribe the cores and their OpenMP threads wait at
+# barriers for a core. Measured on 2 cores (AMD EPYC): the engine checks beside a trainer launch took
+# 143 s with torch's default threads, 54 s with one (alone: ~60 s); the launch 130 s vs 118 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-def pytest_collection_modifyitems(items):
-    """The trainer launches (marked slow, tests/e2e) run last: every quick test has answered first, and
-    the session's shared Ray cluster (tests/e2e/conftest.py) is up only while they run."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: order kept otherwise
+E2E_LONGEST_FIRST = (
+    "e2e/test_testbed_demo_on_cpu.py", "e2e/test_resume_on_cpu.py", "e2e/test_upstream_series_on_cpu.py",
+    "e2e/test_bf16_e2e_on_cpu.py", "e2e/test_recipes_on_cpu.py",
+)
+"""the trainer-launch modules, longest first (about 230, 190, 140, 100, 95 s alone on 2 cores)"""
+
+SHARED_SESSION_FIXTURES = {
+    "unit/test_import_graph_on_cpu.py": "fresh-interpreters",
+    "engine/test_verls_own_tests_with_the_plugin_on_cpu.py": "fresh-interpreters",
+    "engine/test_cpu_mode_on_cpu.py": "fresh-interpreters",
+    "engine/test_engine_importance_on_cpu.py": "engine-checks",
+    "engine/test_engine_perturbation_on_cpu.py": "engine-checks",
+    "unit/test_demo_on_cpu.py": "e2e/test_testbed_demo_on_cpu.py",
+}
+"""modules whose tests share a session fixture that costs seconds (``plugin_process``, ``cpu_mode_process``,
+``engine_cases``, ``tiny_bed``): one work unit, so that one worker computes it once"""
+
+TESTS = Path(__file__).parent
+
+
+def _work_unit(path: str) -> str:
+    """The work unit of a test module (``unit/test_x_on_cpu.py``): the module, or its shared-fixture group."""
+    return SHARED_SESSION_FIXTURES.get(path, path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Serially (``pytest tests``): the trainer launches (marked slow, tests/e2e) run last, so every quick
+    test has answered first, and the session's shared Ray cluster (tests/e2e/conftest.py) is up only
+    while they run. In xdist workers (``bash scripts/test.sh`` runs two): the launches first, longest
+    first, so that the two workers end together (``ModuleScheduling`` hands out work units in this order)."""
+    if hasattr(config, "workerinput"):  # an xdist worker (only workers collect)
+        rank = {m: i for i, m in enumerate(E2E_LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_work_unit(item.path.relative_to(TESTS).as_posix()), len(rank)))
+    else:
+        items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: order kept otherwise
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Each worker takes whole work units (``_work_unit``: a module, or modules sharing a costly session
+    fixture), in collection order; each worker runs its launches in a Ray cluster of its own. (Our own
+    scheduler rather than ``--dist loadgroup``: pytest 9.2 renamed the node id attribute that xdist 3.8's
+    loadgroup rewrites, so its groups are silently ignored.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # keep the collection order (launches first)
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid.split("::", 1)[0].removeprefix("tests/"))
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +90,25 @@ def tiny_bed(tmp_path_factory):
 
     spec = TestbedSpec(n_train=200, n_val=24, warm_start_steps=150, warm_start_batch_size=8, stats_samples=8)
     return build_testbed(tmp_path_factory.mktemp("demo_testbed"), spec)
+
+
+@pytest.fixture(scope="session")
+def plugin_process():
+    """One fresh interpreter as a GPU run's processes have it (plugin on, no CPU mode): what ``import
+    verl`` loads of the plugin (tests/unit/test_import_graph_on_cpu.py), then verl's own wheel CPU tests
+    with the plugin loaded (tests/engine/test_verls_own_tests_with_the_plugin_on_cpu.py)."""
+    from _fresh_process import IMPORT_PROBE, SITE, VERL_WHEEL_TESTS, VERL_WHEEL_TESTS_RUNNER, run_fresh, wheel_has_tests
+
+    tests = VERL_WHEEL_TESTS if wheel_has_tests() else ()
+    return run_fresh(IMPORT_PROBE + VERL_WHEEL_TESTS_RUNNER, *tests, cwd=SITE)
+
+
+@pytest.fixture(scope="session")
+def cpu_mode_process():
+    """One fresh interpreter in CPU mode (``VERL_PLATFORM=cpu``): what ``import verl`` loads of the plugin
+    (tests/unit/test_import_graph_on_cpu.py), then the CPU platform and patch checks
+    (tests/engine/test_cpu_mode_on_cpu.py)."""
+    from _fresh_process import CPU_PLATFORM_CHECK, IMPORT_PROBE, free_port, run_fresh
+
+    return run_fresh(IMPORT_PROBE + CPU_PLATFORM_CHECK, str(free_port()), env_extra={"VERL_PLATFORM": "cpu"})
+

@@ -426,11 +426,13 @@ def build_workspace(
 
 @contextlib.contextmanager
 def all_cpu_threads():
-    """Let torch use every core inside the block (a warm start), then restore its thread count."""
+    """Let torch use every core inside the block (a warm start), then restore its thread count; with
+    ``$OMP_NUM_THREADS`` set, that many threads instead (the test suite sets 1: two test workers share
+    2 cores)."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)))
     try:
         yield
     finally:
