@@ -114,18 +114,6 @@ def check_reshaped_exactly_where_importance_varies(dump: Path, steps=(1, 2)) -> 
     return reshaped_rows
 
 
-def launch_steps(workspace: Path, log: Path, experiment: str, steps: int, *extra: str, estimator: str = "oar_g",
-                 timeout_s: int = 600) -> tuple[int, str]:
-    """``launch`` for ``steps`` training steps (``trainer.total_training_steps``) instead of 2."""
-    with open(log, "w") as fp:
-        proc = subprocess.run(
-            [sys.executable, "-m", "verl_oar.cpu.launch", "--workdir", str(workspace), "--steps", str(steps),
-             "--adv-estimator", estimator, "--experiment-name", experiment, "--timeout", str(timeout_s), *extra],
-            check=False, stdout=fp, stderr=subprocess.STDOUT, timeout=timeout_s + 30,
-        )
-    return proc.returncode, log.read_text()
-
-
 def _rollout_contents(rollout_dir: Path, step: int, keys: list) -> list[tuple[str, str]]:
     """(prompt, response) text of each dumped row, from verl's ``trainer.rollout_data_dir`` file of
     the step, whose ``uid`` column is the row's TransferQueue key ({uid}_{session}_{output})."""

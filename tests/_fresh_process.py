@@ -159,6 +159,7 @@ script's argument is a free port"""
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's MASTER_PORT)."""
     import socket
 
     with socket.socket() as s:

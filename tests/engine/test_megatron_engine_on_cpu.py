@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -188,16 +187,12 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tp2_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron_tp2")
-    port = _free_port()
+    from _fresh_process import free_port
+
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(port), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     logs = [p.communicate(timeout=600) for p in procs]
