@@ -3,7 +3,7 @@ one cluster per test session instead of each run starting its own).
 
 Each repeat times, back to back in alternating order, the same 2-step GRPO launch
 (``python -m verl_oar.cpu.launch``, the e2e tests' launcher) starting its own Ray cluster and joining a
-cluster that is already up (``$VERL_OAR_RAY_ADDRESS``; the cluster is the one tests/_ray_cluster.py
+cluster that is already up (``$VERL_OAR_RAY_ADDRESS``; the cluster is the one verl_oar/cpu/ray_cluster.py
 holds for a test session, started once before the first repeat and not timed). Wall-clock per launch,
 medians and the per-repeat differences with their range. Needs the CPU workspace
 (``python -m verl_oar.cpu.workspace``, or the tests' ``.pytest_cache/d/verl_oar_cpu_workspace``).
@@ -24,10 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _ray_cluster import SharedRayCluster  # noqa: E402  (the test session's cluster holder)
-
-from verl_oar.cpu.overrides import RAY_ADDRESS_ENV  # noqa: E402
+from verl_oar.cpu.overrides import RAY_ADDRESS_ENV
+from verl_oar.cpu.ray_cluster import SharedRayCluster  # the demo's and the test session's cluster holder
 
 
 def launch(workdir: str, name: str, env: dict) -> float:

@@ -1,11 +1,11 @@
 """The end-to-end tier: every test here launches verl's trainer (marked slow). The launches share one
-Ray cluster per test session (tests/_ray_cluster.py) instead of starting one each, and each test
+Ray cluster per test session (verl_oar/cpu/ray_cluster.py) instead of starting one each, and each test
 checks that its runs left nothing alive in it (actors, placement groups, drivers, held resources)."""
 
 from __future__ import annotations
 
 import pytest
-from _ray_cluster import SharedRayCluster
+from verl_oar.cpu.ray_cluster import SharedRayCluster
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """How a CPU run finds its Ray cluster (verl_oar.cpu.overrides / launch): a cluster of its own by default,
-the running one named by ``$VERL_OAR_RAY_ADDRESS`` when set (the test session's, tests/_ray_cluster.py),
+the running one named by ``$VERL_OAR_RAY_ADDRESS`` when set (the test session's, verl_oar/cpu/ray_cluster.py),
 with the run's environment handed to that cluster's workers. The runs themselves are tests/e2e."""
 
 from __future__ import annotations

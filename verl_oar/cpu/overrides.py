@@ -119,7 +119,7 @@ RAY_ADDRESS_ENV = "VERL_OAR_RAY_ADDRESS"
 """A running Ray cluster (its GCS address, ``host:port``) that CPU runs join instead of starting one each.
 
 Unset (the default), ``main_ppo`` starts a local cluster with one pretend GPU and 8 CPU slots and stops
-it when it exits. Set (the test session sets it, tests/_ray_cluster.py), ``cpu_overrides`` and
+it when it exits. Set (the demo and the test session set it, ``verl_oar.cpu.ray_cluster``), ``cpu_overrides`` and
 ``launch.run_trainer`` point ``ray.init`` at that cluster, which must have those resources, and
 ``launch.trainer_env`` hands the run's environment to its Ray workers as the job's runtime env (a
 cluster's workers otherwise inherit the cluster's environment, not the run's). Not the standard

@@ -1,12 +1,13 @@
-"""One local Ray cluster for a test session's trainer launches (tests/e2e/conftest.py starts it).
+"""One local Ray cluster for many CPU-mode trainer launches, one after the other: the demo's runs
+(``verl_oar.testbed.demo``) and a test session's (tests/e2e/conftest.py).
 
 Each CPU-mode trainer run otherwise starts and stops a Ray cluster of its own (``ray.init()`` in
-verl's ``run_ppo``). Here a holder process -- ``python tests/_ray_cluster.py``, a child of pytest --
+verl's ``run_ppo``). Here a holder process -- ``python -m verl_oar.cpu.ray_cluster``, a child of the caller --
 starts one with ``ray.init`` (the resources a CPU run asks for: ``RESOURCES``), prints its GCS
 address, then answers ``leftovers`` on stdin with what is still alive in the cluster: actors,
 placement groups, drivers and held resources of finished runs (a run must leave nothing behind that
 the next run could see: verl's TransferQueue controller, for one, is a named actor in a fixed
-namespace). Closing its stdin shuts the cluster down; nothing else on the machine is touched (no
+namespace, so two runs must never share a cluster at the same time). Closing its stdin shuts the cluster down; nothing else on the machine is touched (no
 ``ray stop``, which would stop every Ray cluster of the user, other people's test runs included).
 
 Trainer launches join the cluster through ``$VERL_OAR_RAY_ADDRESS`` (``verl_oar.cpu.overrides``) and
@@ -31,7 +32,7 @@ OBJECT_STORE_BYTES = 1 << 30
 
 
 class SharedRayCluster:
-    """The holder process, seen from pytest."""
+    """The holder process, seen from its caller."""
 
     def __init__(self, log: Path):
         env = dict(os.environ)
