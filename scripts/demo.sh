@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: GRPO vs OAR-G vs OAR-P on the chain_sum testbed through verl's real trainer on CPU
-# (a few seeds), the importance estimators against the oracle, and an HTML report in ./oar_demo.
-# Flags go to python -m verl_oar.testbed.demo (--help lists them: seeds, steps, task size, methods).
+# The main job: every method (GRPO, OAR-G, OAR-P) on the pick_max testbed through verl's real trainer
+# on CPU, from the committed start, one seed; the credit each assigned, the importance estimators
+# against the oracle, and an HTML report in ./oar_demo (about 10 minutes on 2 cores).
+# Flags go to python -m verl_oar.testbed.demo (--help lists them: seeds, steps, methods, validation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh plot   # the report's figures need matplotlib (the plot extra)

@@ -25,10 +25,9 @@ SHARED_SESSION_FIXTURES = {
     "engine/test_cpu_mode_on_cpu.py": "fresh-interpreters",
     "engine/test_engine_importance_on_cpu.py": "engine-checks",
     "engine/test_engine_perturbation_on_cpu.py": "engine-checks",
-    "unit/test_demo_on_cpu.py": "e2e/test_testbed_demo_on_cpu.py",
 }
 """modules whose tests share a session fixture that costs seconds (``plugin_process``, ``cpu_mode_process``,
-``engine_cases``, ``tiny_bed``): one work unit, so that one worker computes it once"""
+``engine_cases``): one work unit, so that one worker computes it once"""
 
 TESTS = Path(__file__).parent
 
@@ -84,12 +83,11 @@ def cpu_workspace_dir(request) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_bed(tmp_path_factory):
-    """A small chain_sum testbed (verl_oar.testbed), built once: the demo's configuration check and the
-    shortened demo run on it."""
-    from verl_oar.testbed.workspace import TestbedSpec, build_testbed
+    """A copy of the committed pick_max testbed (verl_oar/testbed/start): the demo's configuration
+    check and the shortened demo run on it."""
+    from verl_oar.testbed.workspace import committed_testbed, copy_testbed
 
-    spec = TestbedSpec(n_train=200, n_val=24, warm_start_steps=150, warm_start_batch_size=8, stats_samples=8)
-    return build_testbed(tmp_path_factory.mktemp("demo_testbed"), spec)
+    return copy_testbed(committed_testbed(), tmp_path_factory.mktemp("demo_testbed"))
 
 
 @pytest.fixture(scope="session")

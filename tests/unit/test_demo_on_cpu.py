@@ -1,6 +1,7 @@
-"""The testbed demo (verl_oar.testbed.demo): its dynamics math on hand-checked curves, the run
-configuration against verl's config and validation, its flags. The shortened demo through verl's
-real trainer is tests/e2e/test_testbed_demo_on_cpu.py."""
+"""The testbed demo (verl_oar.testbed.demo): its dynamics and comparison math on hand-checked curves,
+the credit measures on hand-made dumps, the run configuration against verl's config and validation,
+its flags, README's table against the committed results. The shortened demo through verl's real
+trainer is tests/e2e/test_testbed_demo_on_cpu.py."""
 
 from __future__ import annotations
 
@@ -40,53 +41,98 @@ def test_steps_to_threshold_hand_checked():
     assert dynamics.steps_to_threshold([1.0, 1.0], 0.9, 3) is None
 
 
-def test_auto_threshold_and_variance_hand_checked():
-    curves = {"grpo": [[0.0, 0.2, 0.4], [0.0, 0.4, 0.4]], "oar_g": [[0.1, 0.1, 0.1], [0.1, 0.2, 0.1]]}
-    t = dynamics.auto_threshold(curves, "grpo", window=1)
-    assert t.start == pytest.approx(0.05)  # mean of step 1 over all four runs
-    assert t.best == pytest.approx(0.4)  # GRPO mean curve 0, .3, .4
-    assert t.value == pytest.approx(0.225)
-    assert dynamics.auto_threshold({"grpo": [[0.3, 0.2, 0.1]]}, "grpo", 1) is None  # never rises
-    with pytest.raises(ValueError, match="baseline"):
-        dynamics.auto_threshold(curves, "missing", 1)
+def test_variance_hand_checked():
+    curves = [[0.0, 0.2, 0.4], [0.0, 0.4, 0.4]]
     # per-step sample variances (window 1): 0, .02, 0 -> mean .02/3
-    assert dynamics.run_variance(curves["grpo"], 1) == pytest.approx(0.02 / 3)
+    assert dynamics.run_variance(curves, 1) == pytest.approx(0.02 / 3)
     assert math.isnan(dynamics.run_variance([[0.1, 0.2]], 1))
     with pytest.raises(ValueError, match="same"):
         dynamics.mean_and_spread([[0.1, 0.2], [0.1]])
 
 
-def test_ratio_is_nan_when_undefined():
-    assert dynamics.ratio(2.0, 4.0) == 0.5
-    for value, base in ((None, 1.0), (1.0, None), (1.0, 0.0), (math.nan, 1.0)):
-        assert math.isnan(dynamics.ratio(value, base))
+def _run(seed, reward, step_s, val):
+    return {"seed": seed, "reward": reward, "step_seconds": step_s, "val_accuracy": val}
 
 
-def test_method_dynamics_counts_runs_that_never_reach_the_threshold():
-    from verl_oar.testbed.demo import method_dynamics
+def test_comparison_on_hand_checked_runs(monkeypatch):
+    from verl_oar.testbed import comparison
 
-    def run(seed, reward, step_s):
-        return {"seed": seed, "reward": reward, "step_seconds": step_s, "importance_seconds": [None] * len(reward),
-                "val_accuracy": {"0": 0.1, str(len(reward)): 0.2}, "response_length": [1] * len(reward)}
-
+    monkeypatch.setattr(comparison, "WINDOW", 1)
+    monkeypatch.setattr(comparison, "THRESHOLD", 0.4)
     runs = {
-        "grpo": [run(0, [0.0, 0.2, 0.4, 0.4], [9, 2, 2, 4]), run(1, [0.0, 0.4, 0.4, 0.4], [9, 2, 2, 2])],
-        "oar_g": [run(0, [0.0, 0.0, 0.0, 0.0], [9, 3, 3, 3]), run(1, [0.0, 0.4, 0.4, 0.4], [9, 3, 3, 3])],
+        "grpo": [_run(0, [0.0, 0.2, 0.4, 0.4], [9, 2, 2, 4], {"0": 0.2, "2": 0.4, "4": 0.6}),
+                 _run(1, [0.0, 0.4, 0.4, 0.4], [9, 2, 2, 2], {"0": 0.2, "2": 0.6, "4": 0.6})],
+        "oar_g": [_run(1, [0.0, 0.4, 0.4, 0.4], [9, 3, 3, 3], {"0": 0.2, "2": 0.2, "4": 1.0}),
+                  _run(0, [0.0, 0.0, 0.0, 0.0], [9, 3, 3, 3], {"0": 0.2, "2": 0.2, "4": 0.2})],
     }
-    d = method_dynamics(runs, baseline="grpo", window=1, threshold=None)
-    assert d["threshold"] == pytest.approx(0.2)  # start 0, GRPO best .4
-    assert d["methods"]["grpo"]["steps_to_threshold"] == [2, 2]
-    assert d["methods"]["oar_g"]["steps_to_threshold"] == [None, 2]
-    assert d["methods"]["oar_g"]["censored"] == 1
-    assert d["methods"]["oar_g"]["mean_steps_to_threshold"] == 3.5  # (steps + 1 = 5, 2)
-    assert d["methods"]["oar_g"]["steps_ratio"] == pytest.approx(3.5 / 2)
-    assert d["methods"]["grpo"]["median_step_seconds"] == 2  # step 1 (warm-up) left out
-    assert d["methods"]["oar_g"]["step_seconds_ratio"] == pytest.approx(1.5)
-    assert d["methods"]["grpo"]["val_accuracy_end"] == pytest.approx(0.2)
-    given = method_dynamics(runs, baseline="grpo", window=1, threshold=0.5)
-    assert given["methods"]["grpo"]["steps_to_threshold"] == [None, None]
-    assert math.isnan(given["methods"]["oar_g"]["steps_ratio"]) is False  # both censored: 5 / 5
-    assert given["methods"]["oar_g"]["steps_ratio"] == 1.0
+    c = comparison.compare(runs, "grpo")
+    grpo, oar = c["methods"]["grpo"], c["methods"]["oar_g"]
+    assert grpo["per_seed"]["steps_to_threshold"] == [3.0, 2.0]
+    assert oar["per_seed"]["steps_to_threshold"] == [2.0, 5.0] and oar["censored"] == 1   # never: steps + 1
+    assert grpo["per_seed"]["auc"] == pytest.approx([0.4, 0.5])       # (.3*2 + .5*2) / 4, (.4*2 + .6*2) / 4
+    assert grpo["per_seed"]["step_seconds"] == [2.0, 2.0]              # step 1 (warm-up) left out
+    assert oar["per_seed"]["gain"] == pytest.approx([0.8, 0.0])
+    # paired by seed, not by position: oar seed 1 (2 steps) - grpo seed 1 (2), oar seed 0 (5) - grpo seed 0 (3)
+    assert oar["vs_baseline"]["steps_to_threshold"]["estimate"] == pytest.approx(1.0)
+    assert oar["vs_baseline"]["step_seconds"]["estimate"] == pytest.approx(1.0)
+    assert grpo["vs_baseline"]["auc"]["estimate"] == 0.0
+    low, high = oar["vs_baseline"]["steps_to_threshold"]["low"], oar["vs_baseline"]["steps_to_threshold"]["high"]
+    assert low == pytest.approx(0.0) and high == pytest.approx(2.0)   # resamples of the per-seed diffs {0, 2}
+    # variance: per step over seeds (window 1) of the rewards, averaged: grpo 0, .02, 0, 0 -> .005
+    assert grpo["variance"]["estimate"] == pytest.approx(0.02 / 4)
+    with pytest.raises(ValueError, match="baseline"):
+        comparison.compare({"oar_g": runs["oar_g"]}, "grpo")
+
+
+def test_credit_concentration_and_recall_from_a_hand_made_dump(tmp_path):
+    import torch
+
+    from verl_oar.cpu.workspace import build_tokenizer
+    from verl_oar.testbed.credit import concentration, run_credit
+
+    tok = build_tokenizer()
+    text = "ab 7 cd 5 ef \\boxed{75}"
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    width = len(ids) + 3
+    responses = torch.full((3, width), tok.pad_token_id)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for r in range(3):
+        responses[r, : len(ids)], mask[r, : len(ids)] = torch.tensor(ids), 1
+    advantages = torch.ones(3, width) * 0.5
+    picks = [text.index("7"), text.index("5")]
+    advantages[0, picks] = 2.0          # 4x the other reasoning tokens
+    advantages[1] = 0.0                  # a group with one reward: skipped
+    importance = torch.zeros(3, width)
+    importance[0, picks[0]] = 1.0        # top 10% of 13 reasoning tokens = 2 tokens: one of the two picks
+    importance[0, 0] = 0.5
+    torch.save({"responses": responses, "response_mask": mask, "advantages": advantages, "oar_importance": importance,
+                "real_rows": torch.tensor([True, True, False])}, tmp_path / "step_1.pt")
+    credit = run_credit(tmp_path, tok, "oar_importance")
+    assert credit.concentrations == [pytest.approx(4.0)] and credit.responses == 2
+    assert credit.skipped == {"no_answer": 0, "zero_advantage": 1, "no_causal": 0}
+    assert credit.recalls[0] == 0.5 and credit.steps == 1
+    reasoning = torch.ones(4, dtype=torch.bool)
+    assert concentration(torch.ones(4), torch.tensor([True, False, False, False]), reasoning) == 1.0
+    assert concentration(torch.ones(4), torch.zeros(4, dtype=torch.bool), reasoning) is None
+
+
+def test_methods_registry_and_readme_table_from_the_committed_results():
+    import json
+    from pathlib import Path
+
+    from verl_oar.testbed.methods import BASELINE, METHODS, method
+    from verl_oar.testbed.report import comparison_table_markdown
+
+    assert BASELINE in METHODS and all(m.name == k for k, m in METHODS.items())
+    with pytest.raises(ValueError, match="testbed knows"):
+        method("ppo")
+    root = Path(__file__).resolve().parents[2]
+    results = json.loads((root / "benchmarks" / "results_testbed_long_run_cpu.json").read_text())
+    assert results["machine"]["cpu"] and results["machine"]["torch"]
+    assert len(results["seeds"]) >= 5 and set(results["methods"]) == set(METHODS)
+    table = comparison_table_markdown(results)
+    assert table in (root / "README.md").read_text(), ("README's results table is stale: render it with "
+        "python -m verl_oar.testbed.report --readme benchmarks/results_testbed_long_run_cpu.json")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,21 +159,24 @@ def test_run_overrides_compose_validate_and_differ_only_where_they_should(tiny_b
 
     from verl_oar.testbed.training_runs import RunSettings, run_overrides
 
-    settings = RunSettings(steps=3)
+    settings = RunSettings(steps=3, val_every=2)
     configs = {}
     for method in ("grpo", "oar_g", "oar_p"):
         for seed in (0, 1):
-            overrides = run_overrides(tiny_bed, method, seed, settings, neutral_id=32, name="x", val_file=tmp_path / "v.parquet")
+            overrides = run_overrides(tiny_bed, method, seed, settings, neutral_id=32, name="x", val_file=tmp_path / "v.parquet",
+                                      dump_dir=tmp_path / "dumps")
             config = compose_ppo_config(overrides)
             validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
             configs[method, seed] = _flat(OmegaConf.to_container(config, resolve=False))
     grpo = configs["grpo", 0]
     assert grpo["actor_rollout_ref.model.use_remove_padding"] is False
     assert grpo["trainer.v1.sampler.custom_sampler.name"] == "QuickPollReplayBuffer"
-    assert grpo["trainer.test_freq"] == 3 and grpo["trainer.val_before_train"] is True
+    assert grpo["trainer.test_freq"] == settings.val_every and grpo["trainer.val_before_train"] is True
+    assert grpo["actor_rollout_ref.actor.optim.lr"] == settings.lr
     assert grpo["actor_rollout_ref.rollout.val_kwargs.do_sample"] is False
     assert configs["oar_p", 0]["algorithm.oar.perturb_token_id"] == 32
     assert configs["oar_p", 0]["algorithm.oar.perturb_mode"] == "exact"
+    assert configs["oar_g", 0]["algorithm.oar.dump_dir"] == str(tmp_path / "dumps")
     for method in ("oar_g", "oar_p"):  # methods differ from GRPO only in algorithm.*
         diff = {k for k in set(grpo) | set(configs[method, 0]) if grpo.get(k) != configs[method, 0].get(k)}
         assert diff and all(k.startswith("algorithm.") for k in diff), diff
@@ -150,12 +199,14 @@ def test_quick_poll_replay_buffer_is_verls_with_a_short_poll():
     assert isinstance(buffer, ReplayBuffer) and buffer.poll_interval == 0.05
 
 
-def test_bad_flags_are_refused_with_the_fix():
+def test_bad_flags_are_refused_with_the_fix(capsys):
     from verl_oar.testbed.demo import parse_args
 
-    for argv, needle in ((["--methods", "grpo,ppo"], "unknown"), (["--seeds", "0,0"], "distinct"),
-                         (["--k-range", "5,3"], "k-range"), (["--fracs", "0,0.5"], "fracs"), (["--steps", "0"], "steps")):
+    for argv, needle in ((["--methods", "grpo,ppo"], "unknown"), (["--methods", "oar_g"], "must include grpo"),
+                         (["--seeds", "0,0"], "distinct"), (["--fracs", "0.2,0.5"], "0.1 among them"),
+                         (["--steps", "0"], "steps")):
         with pytest.raises(SystemExit):
             parse_args(argv)
-    args = parse_args(["--k-range", "2,4", "--fillers", "1,3", "--seeds", "3,4"])
-    assert args.spec.k_range == (2, 4) and args.spec.fillers == (1, 3) and args.seed_list == [3, 4]
+        assert needle in capsys.readouterr().err
+    args = parse_args(["--seeds", "3,4"])
+    assert args.seed_list == [3, 4] and args.method_list == ["grpo", "oar_g", "oar_p"]

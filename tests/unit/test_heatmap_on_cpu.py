@@ -17,14 +17,14 @@ from verl_oar.tools.heatmap_render import html_block, render_png
 from verl_oar.core.gradient import GradientConfig, gradient_importance
 from verl_oar.core.hf import HFPrefixModel, make_hf_logits_fn
 from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
-from verl_oar.testbed.chain_sum import oracle_token_masks
+from verl_oar.testbed.pick_max import oracle_token_masks
 
-PROMPT = "sum: 3 7 2"
-RESPONSE = "3 ok hmm +7=10 so well +2=12 \\boxed{12}"
-REASONING_TEXT = "3 ok hmm +7=10 so well +2=12 "
+PROMPT = "max: 3 7 | 2 5"
+RESPONSE = "qzt kdm 7 abx fod 5 kle pqa \\boxed{75}"
+REASONING_TEXT = "qzt kdm 7 abx fod 5 kle pqa "
 """one token per character with the byte tokenizer: the reasoning tokens, up to the marker"""
 SEED = 3
-ORACLE = "verl_oar.testbed.chain_sum:heatmap_oracle"
+ORACLE = "verl_oar.testbed.pick_max:heatmap_oracle"
 """the testbed's oracle, passed in by name (the heatmap never imports the testbed)"""
 
 
@@ -89,7 +89,7 @@ def test_files_written(prompt_run):
     assert (out / "heatmap_0.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "heatmap.json").read_text()) == json.loads(json.dumps(report))
     page = (out / "heatmap.html").read_text()
-    assert "oar_g" in page and "oar_p" in page and "oracle chain" in page
+    assert "oar_g" in page and "oar_p" in page and "oracle causal" in page
 
 
 def test_ids_and_masks(prompt_run, loaded):
@@ -99,7 +99,7 @@ def test_ids_and_masks(prompt_run, loaded):
     assert row["response_ids"] == tokenizer.encode(RESPONSE, add_special_tokens=False)
     assert "".join(row["tokens"]) == RESPONSE
     assert sum(row["reasoning"]) == len(REASONING_TEXT) == row["reasoning"].index(False)
-    assert row["answer_text"] == "12"
+    assert row["answer_text"] == "75"
     assert (row["reasoning"], row["answer"]) == tuple(locate_answer_tokens(row["response_ids"], tokenizer))
 
 
@@ -144,9 +144,9 @@ def test_weights_and_oracle(prompt_run, loaded):
         assert weights[mask].sum().item() == pytest.approx(mask.sum().item(), rel=1e-5)  # mass preserved
         assert weights[mask].min() < 1 < weights[mask].max()                             # suppress and boost
     oracle = oracle_token_masks(row["response_ids"], tokenizer)
-    assert row["oracle"] == {"direct": oracle.direct.tolist(), "chain": oracle.chain.tolist()}
-    direct = [t for t, d in zip(row["tokens"], row["oracle"]["direct"]) if d]
-    assert direct == ["1", "2"]
+    assert row["oracle"] == {"causal": oracle.causal.tolist()}
+    causal = [t for t, d in zip(row["tokens"], row["oracle"]["causal"]) if d]
+    assert causal == ["7", "5"]
 
 
 def test_oracle_is_a_callback(model_dir, tmp_path):
@@ -174,10 +174,10 @@ def test_rollouts_parquet_chat_prompt(model_dir, loaded, tmp_path, capsys):
     """verl's RL parquet: the prompt is a message list; a row with no answer is reported and skipped."""
     _, tokenizer = loaded
     prompts = ["sum: 3 7 2", "sum: 1 1", "sum: 4 5"]
-    responses = [RESPONSE, "1 ok +1=2 so no box", "4 hmm +5=9 \\boxed{9}"]
+    responses = [RESPONSE, "abc 1 def no box", "xyz 4 uvw \\boxed{4}"]
     path = tmp_path / "rollouts.parquet"
     pd.DataFrame({"prompt": [[{"role": "user", "content": p}] for p in prompts], "response": responses,
-                  "data_source": "verl_oar/chain_sum"}).to_parquet(path, index=False)
+                  "data_source": "verl_oar/pick_max"}).to_parquet(path, index=False)
     report = main(["--model", str(model_dir), "--rollouts", str(path), "--rows", "2,1", "--estimators", "oar_g",
                    "--device", "cpu", "--out", str(tmp_path / "out")])
     assert [r["row"] for r in report["rows"]] == [2]
@@ -229,7 +229,7 @@ def rollouts_jsonl(tmp_path):
         (["--prompt", PROMPT, "--response", RESPONSE, "--estimators", "oar_x"], "choose from oar_g, oar_p"),
         (["--prompt", PROMPT, "--response", RESPONSE, "--answer-locator", "pkg://no_such_module_xyz.f"],
          "no_such_module_xyz"),
-        (["--prompt", PROMPT, "--response", RESPONSE, "--oracle", "chain_sum"], "give MODULE:FUNCTION"),
+        (["--prompt", PROMPT, "--response", RESPONSE, "--oracle", "pick_max"], "give MODULE:FUNCTION"),
         (["--prompt", PROMPT, "--response", RESPONSE, "--oracle", "no_such_module_xyz:f"], "cannot load it"),
     ],
 )

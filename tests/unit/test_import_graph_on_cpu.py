@@ -89,7 +89,7 @@ def test_dependencies_point_one_way():
 
 def test_the_check_sees_function_level_and_relative_imports():
     probe = PACKAGE / "core" / "x_graph_probe.py"
-    probe.write_text("def f():\n    from verl_oar.testbed import chain_sum\n    import verl.utils\n"
+    probe.write_text("def f():\n    from verl_oar.testbed import pick_max\n    import verl.utils\n"
                      "from ..tools import heatmap\n")
     try:
         found = _violations()

@@ -1,4 +1,4 @@
-"""The chain_sum testbed (verl_oar.testbed): the oracle of causal tokens on hand-checked responses and
+"""The pick_max testbed (verl_oar.testbed): the oracle of causal tokens on hand-checked responses and
 two tokenizers, the generator, recall at top-K% on constructed rankings, and the counterfactual test
 with a hand-written "model" whose answers are known exactly. No model is trained; seconds on CPU."""
 
@@ -15,9 +15,8 @@ from transformers import PreTrainedTokenizerFast
 
 from verl_oar.core.answer_span import decode_with_offsets
 from verl_oar.cpu.workspace import build_tokenizer
-from verl_oar.testbed.chain_sum import (
+from verl_oar.testbed.pick_max import (
     DATA_SOURCE,
-    FILLER_WORDS,
     make_problems,
     oracle_batch,
     oracle_token_masks,
@@ -40,56 +39,43 @@ from verl_oar.testbed.importance_quality import (
     top_fraction_mask,
 )
 
-CANONICAL = "3 ok hmm +7=10 so well +2=12 right +5=17 ok \\boxed{17}"
+CANONICAL = "qzt kdm 7 abx fod 5 kle pqa \\boxed{75}"
 MARKER = "\\boxed{"
 
 
 # --- the oracle in the text ------------------------------------------------------------------------
 
 ORACLE_CASES = [
-    # (text, direct strings, chain strings, arithmetic_ok, answer_copies_last_total); None = unreadable
-    (CANONICAL, ["17"], ["3", "7", "10", "2", "12", "5", "17"], True, True),
-    ("3  ok +  7 = 10 so\n+2 =12 \\boxed{ 12 }", ["12"], ["3", "7", "10", "2", "12"], True, True),
-    ("3 let me think... +7=10 \\boxed{10}", ["10"], ["3", "7", "10"], True, True),   # any digit-free filler
-    ("3+7=10+2=12\\boxed{12}", ["12"], ["3", "7", "10", "2", "12"], True, True),       # no filler at all
-    ("3 ok +7=11 so +2=13 ok \\boxed{13}", ["13"], ["3", "7", "11", "2", "13"], False, True),  # wrong totals
-    ("3 ok +7=10 so \\boxed{11}", ["10"], ["3", "7", "10"], True, False),             # answer not copied
-    ("4 ok fine \\boxed{4}", ["4"], ["4"], True, True),                               # k = 1: no step
-    ("3 +7=10 \\boxed{10} then 5+5=10.", ["10"], ["3", "7", "10"], True, True),  # after the answer: ignored
-    ("3 +7=10 ok \\boxed{1} so \\boxed{10}", None, None, None, None),  # earlier box is a stray number
-    ("3 ok +7 10 so \\boxed{10}", None, None, None, None),             # malformed step: no '='
-    ("3 ok +=10 \\boxed{10}", None, None, None, None),                 # malformed step: no operand
-    ("3 ok +7= so \\boxed{7}", None, None, None, None),                # malformed step: no total
-    ("3 ok 5 +7=10 \\boxed{10}", None, None, None, None),              # a second bare number
-    ("ok +3=3 +7=10 \\boxed{10}", None, None, None, None),             # a step before any number
-    ("3 ok +7=10 so +2=12 right", None, None, None, None),             # no answer
-    ("3 ok +7=10 so \\boxed{10", None, None, None, None),              # unclosed box (truncated)
-    ("ok so \\boxed{5}", None, None, None, None),                      # no number at all
+    # (text, causal strings (the picks), copies_picks); None = no oracle (no answer)
+    (CANONICAL, ["7", "5"], True),
+    ("qzt kdm 3 abx fod 5 kle pqa \\boxed{35}", ["3", "5"], True),            # a wrong pick is still causal
+    ("qzt kdm 7 abx fod 5 kle pqa \\boxed{77}", ["7", "5"], False),           # answer not copied
+    ("ab 7 cd 5 \\boxed{ 75 }", ["7", "5"], True),                            # other filler, spaces in the box
+    ("7 5 \\boxed{75}", ["7", "5"], True),                                    # no filler at all
+    ("qzt 7 kdm \\boxed{7}", ["7"], True),                                    # one pick only
+    ("qzt kdm abx \\boxed{75}", [], False),                                   # no pick: an empty oracle
+    ("q 7 x 5 y 2 \\boxed{75}", ["7", "5", "2"], False),                      # a third digit counts too
+    ("q 7 x 5 y \\boxed{75} then 9", ["7", "5"], True),                      # after the answer: ignored
+    ("q 7 x \\boxed{1} y 5 \\boxed{75}", ["7", "1", "5"], False),         # the last box is the answer
+    ("qzt kdm 7 abx fod 5 kle pqa", None, None),                              # no answer
+    ("qzt kdm 7 abx fod 5 kle pqa \\boxed{75", None, None),                  # unclosed box (truncated)
 ]
 
 
-@pytest.mark.parametrize(("text", "direct", "chain", "arithmetic_ok", "copies"), ORACLE_CASES)
-def test_oracle_on_hand_checked_responses(text, direct, chain, arithmetic_ok, copies):
+@pytest.mark.parametrize(("text", "causal", "copies"), ORACLE_CASES)
+def test_oracle_on_hand_checked_responses(text, causal, copies):
     trace = parse_response(text)
-    if direct is None:
+    if causal is None:
         assert trace is None
         return
-    assert [text[a:b] for a, b in trace.direct] == direct
-    assert [text[a:b] for a, b in trace.chain] == chain
-    assert trace.arithmetic_ok is arithmetic_ok
-    assert trace.answer_copies_last_total is copies
-    assert all(b <= trace.answer.marker_start for _, b in trace.chain)
+    assert [text[s:e] for s, e in trace.causal] == causal
+    assert trace.copies_picks is copies
 
 
 def test_oracle_char_offsets_of_the_canonical_response():
     trace = parse_response(CANONICAL)
-    last = CANONICAL.index("17")                   # the "17" of "+5=17", before the box
-    assert trace.direct == ((last, last + 2),)
-    assert trace.start == (0, 1)
-    assert trace.answer.marker_start == CANONICAL.index("\\boxed")
-
-
-# --- characters to tokens --------------------------------------------------------------------------
+    assert trace.picks == ((8, 9), (18, 19))
+    assert (trace.answer.marker_start, trace.answer.start, trace.answer.end) == (28, 35, 37)
 
 
 def _marked(text: str, offsets, mask) -> str:
@@ -101,46 +87,44 @@ def test_token_masks_on_the_workspace_byte_tokenizer():
     ids = tokenizer.encode(CANONICAL, add_special_tokens=False) + [tokenizer.eos_token_id]
     assert ids[:-1] == list(CANONICAL.encode())      # one token per byte
     masks = oracle_token_masks(ids, tokenizer)
-    assert masks.direct.shape == masks.chain.shape == masks.reasoning.shape == (len(ids),)
-    direct_at = CANONICAL.index("17")
-    assert masks.direct.nonzero().squeeze(1).tolist() == [direct_at, direct_at + 1]
-    assert bytes(torch.tensor(ids)[masks.chain].tolist()) == b"3710212517"
+    assert masks.causal.shape == masks.reasoning.shape == masks.answer.shape == (len(ids),)
+    assert masks.causal.nonzero().squeeze(1).tolist() == [8, 18]
     assert masks.reasoning.nonzero().squeeze(1).tolist() == list(range(CANONICAL.index("\\boxed")))
-    assert bytes(torch.tensor(ids)[masks.answer].tolist()) == b"17"
-    assert not (masks.chain & ~masks.reasoning).any() and not masks.reasoning[-1]   # eos: neither
+    assert bytes(torch.tensor(ids)[masks.answer].tolist()) == b"75"
+    assert not (masks.causal & ~masks.reasoning).any() and not masks.reasoning[-1]   # eos: neither
 
 
 @pytest.fixture(scope="module")
 def merged_bpe():
-    """A byte-level BPE trained on chain_sum responses without the pre-tokenizer's word split, so that
-    merges put causal and non-causal characters in one token (e.g. '=1', '+7')."""
+    """A byte-level BPE trained on pick_max responses without the pre-tokenizer's word split, so that
+    merges put causal and non-causal characters in one token (e.g. ' 7 ')."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([p.response for p in make_problems(300, (2, 6), seed=1)], trainer)
+    tok.train_from_iterator([p.response for p in make_problems(400, 2, seed=1, pick_max_prob=0.5, word_length=1)],
+                            trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def test_token_masks_on_a_merging_tokenizer(merged_bpe):
-    text = "5 hmm so +8=13 well +6=19 ok \\boxed{19}"
+    text = "a b 7 c d 5 e f \\boxed{75}"
     ids = merged_bpe.encode(text, add_special_tokens=False) + [merged_bpe.eos_token_id]
     decoded, offsets = decode_with_offsets(ids, merged_bpe, skip_special_tokens=True)
     assert decoded == text and len(ids) < len(text)          # some tokens hold several characters
     masks = oracle_token_masks(ids, merged_bpe)
-    causal = [(m.start(), m.end()) for m in re.finditer(r"\d+", text[: text.index("\\")])]
-    for t, (a, b) in enumerate(offsets):                       # a token is causal iff it overlaps a number
-        assert bool(masks.chain[t]) == any(a < e and b > s for s, e in causal)
-    assert "19" in _marked(text, offsets, masks.direct)
-    assert "13" not in _marked(text, offsets, masks.direct)
-    mixed = [text[a:b] for (a, b), m in zip(offsets, masks.chain.tolist()) if m and not text[a:b].isdigit()]
+    picks = [(m.start(), m.end()) for m in re.finditer(r"\d", text[: text.index("\\")])]
+    for t, (a, b) in enumerate(offsets):                       # a token is causal iff it overlaps a pick
+        assert bool(masks.causal[t]) == any(a < e and b > s for s, e in picks)
+    assert _marked(text, offsets, masks.causal).count("7") == 1
+    mixed = [text[a:b] for (a, b), m in zip(offsets, masks.causal.tolist()) if m and not text[a:b].isdigit()]
     assert mixed, "the tokenizer should merge digits with other characters"
 
 
-def test_oracle_batch_pads_and_skips_unreadable_rows():
+def test_oracle_batch_pads_and_skips_rows_without_an_answer():
     tokenizer = build_tokenizer()
-    texts = [CANONICAL, "3 ok +7 10 \\boxed{10}", "4 ok \\boxed{4}"]
+    texts = [CANONICAL, "qzt 7 kdm 5 no answer", "ab 4 cd \\boxed{4}"]
     rows = [list(t.encode()) for t in texts]
     width = max(map(len, rows)) + 2
     responses = torch.full((3, width), tokenizer.pad_token_id)
@@ -149,43 +133,49 @@ def test_oracle_batch_pads_and_skips_unreadable_rows():
         responses[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), True
     out = oracle_batch(responses, mask, tokenizer)
     assert out["found"].tolist() == [True, False, True]
-    assert not out["chain"][1].any() and not out["reasoning"][1].any()
-    assert out["direct"][2].nonzero().squeeze(1).tolist() == [0]
+    assert not out["causal"][1].any() and not out["reasoning"][1].any()
+    assert out["causal"][2].nonzero().squeeze(1).tolist() == [3]
     assert not (out["reasoning"] & ~mask).any()
 
 
 # --- generator -------------------------------------------------------------------------------------
 
 
-def test_generator_is_deterministic_and_numbers_ignore_the_filler_count():
-    a, b = make_problems(50, (3, 6), seed=7), make_problems(50, (3, 6), seed=7)
+def test_generator_is_deterministic_and_digits_ignore_the_text_settings():
+    a, b = make_problems(50, 2, seed=7, pick_max_prob=0.4), make_problems(50, 2, seed=7, pick_max_prob=0.4)
     assert a == b
-    assert [p.numbers for p in a] != [p.numbers for p in make_problems(50, (3, 6), seed=8)]
-    assert [p.numbers for p in a] == [p.numbers for p in make_problems(50, (3, 6), seed=7, fillers_per_step=5)]
-    assert all(3 <= len(p.numbers) <= 6 and all(1 <= n <= 9 for n in p.numbers) for p in a)
+    assert [p.pairs for p in a] != [p.pairs for p in make_problems(50, 2, seed=8, pick_max_prob=0.4)]
+    assert [p.pairs for p in a] == [p.pairs for p in make_problems(50, 2, seed=7, pick_max_prob=0.9, words=5)]
+    assert all(len(p.pairs) == 2 and all(x != y and 0 <= x <= 9 and 0 <= y <= 9 for x, y in p.pairs) for p in a)
 
 
-@pytest.mark.parametrize("fillers", [0, 3, (0, 4)])
-def test_canonical_responses_parse_back_to_their_ground_truth(fillers):
-    for p in make_problems(40, (1, 7), seed=3, fillers_per_step=fillers):
+@pytest.mark.parametrize(("prob", "words"), [(0.0, 2), (1.0, 2), (0.4, 0), (0.4, 3)])
+def test_warm_start_responses_pick_the_larger_digit_with_the_stated_probability(prob, words):
+    problems = make_problems(400, 2, seed=3, pick_max_prob=prob, words=words)
+    second_larger = picked_max = 0
+    for p in problems:
         trace = parse_response(p.response)
-        assert trace is not None and trace.arithmetic_ok and trace.answer_copies_last_total
-        assert str(trace.value(trace.direct[0])) == p.answer == str(sum(p.numbers))
-        assert (trace.value(trace.start), *map(trace.value, trace.operands)) == p.numbers
-        assert p.prompt == "sum: " + " ".join(map(str, p.numbers))
-        words = re.findall(r"[a-z]+", p.response[: trace.answer.marker_start])
-        assert set(words) <= set(FILLER_WORDS)
-        if isinstance(fillers, int):
-            assert len(words) == fillers * len(p.numbers)
+        assert trace is not None and trace.copies_picks and len(trace.picks) == 2
+        letters = re.findall(r"[a-z]+", p.response[: trace.answer.marker_start])
+        assert len(letters) == 3 * words and all(len(w) == 3 for w in letters)
+        for (x, y), (s, e) in zip(p.pairs, trace.picks):
+            pick = int(p.response[s:e])
+            assert pick in (x, max(x, y))          # the first digit, or the larger one
+            if y > x:
+                second_larger += 1
+                picked_max += pick == y
+        assert p.prompt == "max: " + " | ".join(f"{x} {y}" for x, y in p.pairs)
+        assert p.answer == "".join(str(max(x, y)) for x, y in p.pairs)
+    assert picked_max / second_larger == pytest.approx(prob, abs=0.06)
 
 
 def test_rl_rows():
-    problems = make_problems(3, (2, 3), seed=0)
+    problems = make_problems(3, 2, seed=0, pick_max_prob=0.4)
     rows = rl_rows(problems, "train")
     assert [r["data_source"] for r in rows] == [DATA_SOURCE] * 3
     assert rows[1]["prompt"] == [{"role": "user", "content": problems[1].prompt}]
     assert rows[1]["reward_model"] == {"style": "rule", "ground_truth": problems[1].answer}
-    assert rows[1]["extra_info"]["index"] == 1 and rows[1]["extra_info"]["numbers"] == list(problems[1].numbers)
+    assert rows[1]["extra_info"]["index"] == 1 and rows[1]["extra_info"]["pairs"] == [list(x) for x in problems[1].pairs]
 
 
 # --- recall ----------------------------------------------------------------------------------------
@@ -324,8 +314,7 @@ def test_accuracy_drop_for_known_rankings():
     direct = []
     for text, _ in texts:
         mask = torch.zeros(len(text))
-        trace = parse_response(text + "\\boxed{0}")
-        a, b = trace.direct[0]
+        a, b = [m.span() for m in re.finditer(r"\d+", text)][-1]   # the last number: what the model copies
         mask[a:b] = 1.0
         direct.append(mask)
     fracs = [0.05, 0.5, 1.0]

@@ -40,9 +40,10 @@ class SharedRayCluster:
         env.pop("VERL_PLATFORM", None)
         env.pop("RAY_ADDRESS", None)
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            [sys.executable, "-m", "verl_oar.cpu.ray_cluster"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             text=True, env=env, start_new_session=True,
         )
         line = self.proc.stdout.readline()

@@ -22,7 +22,7 @@ Departures from a real setup, on purpose:
    wrong. OAR needs that final answer to ground its token importance on.
 3. Deterministic for a given ``seed`` (and torch build and thread count).
 
-Public helpers the chain_sum testbed reuses (``verl_oar.testbed.workspace``): :func:`build_tokenizer`,
+Public helpers the pick_max testbed reuses (``verl_oar.testbed.workspace``): :func:`build_tokenizer`,
 :func:`new_tiny_model`, :func:`chat_prompt_ids`, :func:`supervised_steps`, :func:`write_parquet`,
 :func:`save_model_dir`, :func:`read_manifest`, :func:`build_lock`, :func:`all_cpu_threads`.
 """

@@ -84,6 +84,7 @@ def _oar_trainer_sync(base):
     """Build ``OARTrainerSync`` over verl's ``PPOTrainerSync`` (imported lazily: it is heavy)."""
     import transfer_queue as tq
 
+    from verl_oar.integration.dump import dump_step
     from verl_oar.integration.signals import TokenSignals, provide, real_rows, session_final_rows
 
     class OARTrainerSync(base):
@@ -145,23 +146,9 @@ def _oar_trainer_sync(base):
                 metrics.update(guard.observe(int(self.global_steps), signals.metrics))
             dump_dir = self.config.algorithm.get("oar", {}).get("dump_dir", "")
             if dump_dir:
-                _dump(dump_dir, int(self.global_steps), list(batch.keys), signals)
+                dump_step(dump_dir, int(self.global_steps), batch, signals)
             return batch
 
     OARTrainerSync.__module__ = __name__
     OARTrainerSync.__qualname__ = "OARTrainerSync"
     return OARTrainerSync
-
-
-def _dump(dump_dir: str, step: int, keys: list, signals) -> None:
-    """Save a step's token-level tensors (``algorithm.oar.dump_dir``): padded (bs, response_len) each."""
-    import os
-
-    import torch
-
-    os.makedirs(dump_dir, exist_ok=True)
-    payload = {"step": step, "keys": keys, **signals.tensors, **signals.artifacts}
-    if signals.real_rows is not None:
-        payload["real_rows"] = signals.real_rows
-    torch.save({k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in payload.items()},
-               os.path.join(dump_dir, f"step_{step}.pt"))

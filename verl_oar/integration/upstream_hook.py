@@ -17,7 +17,6 @@ The seams (patches 0001 and 0002 of the series):
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 
@@ -116,6 +115,7 @@ def _hooks_class():
 
         @contextmanager
         def advantage_context(self, trainer, batch, metrics: dict):
+            from verl_oar.integration.dump import dump_step
             from verl_oar.integration.signals import TokenSignals, provide, real_rows, session_final_rows
 
             # the tensors arrive as the estimator's keyword arguments (estimators.register_reshaped_grpo)
@@ -128,21 +128,8 @@ def _hooks_class():
                 metrics.update(guard.observe(int(trainer.global_steps), signals.metrics))
             dump_dir = trainer.config.algorithm.get("oar", {}).get("dump_dir", "")
             if dump_dir:
-                _dump(dump_dir, int(trainer.global_steps), list(batch.keys), signals)
+                dump_step(dump_dir, int(trainer.global_steps), batch, signals)
 
     _TokenSignalHooks.__module__ = __name__
     _HOOKS_CLASS.append(_TokenSignalHooks)
     return _TokenSignalHooks
-
-
-def _dump(dump_dir: str, step: int, keys: list, signals) -> None:
-    """Save a step's token-level tensors (``algorithm.oar.dump_dir``), as ``trainer.OARTrainerSync`` does:
-    ``{dump_dir}/step_{step}.pt`` with the signals' tensors and artifacts, padded (bs, response_len) each."""
-    import torch
-
-    os.makedirs(dump_dir, exist_ok=True)
-    payload = {"step": step, "keys": keys, **signals.tensors, **signals.artifacts}
-    if signals.real_rows is not None:
-        payload["real_rows"] = signals.real_rows
-    torch.save({k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in payload.items()},
-               os.path.join(dump_dir, f"step_{step}.pt"))

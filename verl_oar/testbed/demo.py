@@ -1,42 +1,40 @@
-"""The OAR demo on the chain_sum testbed: train GRPO, OAR-G and OAR-P through verl's real trainer on
-CPU over a few seeds, measure the importance estimators against the oracle, write an HTML report.
+"""The demo on the pick_max testbed: train every method (``testbed.methods``) through verl's real
+trainer on CPU from the committed start, compare them on the pre-registered measures, and show the
+credit each one assigned; an HTML report.
 
-    python -m verl_oar.testbed.demo [--out DIR] [--seeds 0,1] [--steps 12] [--methods grpo,oar_g,oar_p]
-        [--k-range 3,5] [--fillers 2,4] [--parallel 2] [--quality-samples 32] ...   (--help for all)
+    python -m verl_oar.testbed.demo [--out DIR] [--seeds 0] [--steps 12] [--methods grpo,oar_g,oar_p] ...
 
 In order, each printing progress:
 
-1. build (or reuse) the testbed for the task size (``testbed.workspace.build_testbed``; about a
-   minute the first time, cached in ``--workdir``);
-2. importance quality on the warm-started model every run starts from (``testbed.quality``):
-   recall of the oracle causal tokens at top-K% and the occlusion counterfactual, per estimator;
-3. one ``python -m verl.trainer.main_ppo`` run per (method, seed) (``testbed.training_runs``),
-   ``--parallel`` at a time, greedy validation on held-out prompts before training and at the end;
-4. ``summary.json`` (every number of the report, computed here from the runs' metric files and
-   step 2) and the report: ``index.html`` with PNG figures (``testbed.report``).
+1. copy the committed testbed (``workspace.committed_testbed``) into ``DIR/testbed``;
+2. importance quality on that warm-started model (``testbed.quality``): recall of the oracle causal
+   tokens at top-K% and the occlusion counterfactual, per estimator;
+3. one ``python -m verl.trainer.main_ppo`` run per (method, seed) (``testbed.training_runs``), one
+   after the other in one Ray cluster (``verl_oar.cpu.ray_cluster``), greedy validation on held-out
+   prompts every few steps; methods with a token signal dump their token tensors;
+4. ``summary.json``: the comparison (``testbed.comparison``: measures with bootstrap intervals over
+   seeds, paired with GRPO), the credit each run assigned (``testbed.credit``), the machine; and the
+   report, ``index.html`` with PNG figures (``testbed.report``), rendered from it.
 
 Nothing in the report is typed in by hand: it is rendered from ``summary.json``, which this command
-writes from the run it just made; the seeds and the command line are in both.
+writes from the run it just made; the seeds, the command line and the machine are in both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from verl_oar.testbed import dynamics
-from verl_oar.testbed.training_runs import METHODS, REWARD, VAL_REWARD, Run, RunSettings, make_runs, run_all, train_records
-from verl_oar.testbed.workspace import TestbedSpec, build_testbed
+from verl_oar.testbed.methods import BASELINE, METHODS, method
+from verl_oar.testbed.training_runs import REWARD, VAL_REWARD, Run, RunSettings, make_runs, run_all, train_records
+from verl_oar.testbed.workspace import Testbed, committed_testbed, copy_testbed
 
-DEFAULT_WORKDIR = Path("~/.cache/verl_oar/testbed").expanduser()
-HEATMAP_ESTIMATORS = ("oar_g_noisy_kl", "oar_p_exact")
-"""the estimators drawn in the heatmaps (the two the OAR runs train with)"""
 QUALITY_ESTIMATORS = ("oar_g_noisy_kl", "oar_p_exact", "oar_p_chunk8", "oar_g_loglik", "entropy", "random")
 
 
@@ -51,24 +49,19 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("oar_demo"), help="report folder (index.html, PNGs, summary.json, logs)")
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="where the testbed is built and cached")
-    p.add_argument("--seeds", default="0,1", help="training seeds, comma-separated")
+    p.add_argument("--testbed", type=Path, default=None,
+                   help="a testbed built by python -m verl_oar.testbed.workspace (default: the committed one)")
+    p.add_argument("--seeds", default="0", help="training seeds, comma-separated (the long run: 0,1,2,3,4)")
     p.add_argument("--steps", type=int, default=RunSettings.steps, help="training steps per run")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
-    p.add_argument("--k-range", default="3,5", help="task size: fewest,most numbers to add")
-    p.add_argument("--fillers", default="2,4", help="task size: fewest,most filler words between steps")
     p.add_argument("--batch-size", type=int, default=RunSettings.batch_size, help="prompts per step")
     p.add_argument("--n", type=int, default=RunSettings.n, help="responses per prompt (GRPO group)")
     p.add_argument("--lr", type=float, default=RunSettings.lr)
     p.add_argument("--val-prompts", type=int, default=RunSettings.val_prompts, help="held-out prompts validated greedily")
-    p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: before and after training)")
-    p.add_argument("--parallel", type=int, default=2, help="training runs at a time")
+    p.add_argument("--val-every", type=int, default=RunSettings.val_every,
+                   help="validate every N steps (0: before and after training only)")
     p.add_argument("--quality-samples", type=int, default=32, help="sampled responses scored by every estimator")
     p.add_argument("--fracs", default="0.05,0.1,0.2,0.3,0.5", help="top-K%% fractions for recall and the counterfactual")
-    p.add_argument("--window", type=int, default=3, help="trailing-mean window (steps) for thresholds and variance")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="reward threshold for steps-to-threshold (default: halfway from the start to GRPO's best)")
-    p.add_argument("--heatmaps", type=int, default=3, help="sample traces drawn as heatmaps")
     p.add_argument("--run-timeout", type=float, default=None, help="stop a training run after this many seconds")
     args = p.parse_args(argv)
     args.seed_list = _ints(args.seeds)
@@ -77,16 +70,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [m for m in args.method_list if m not in METHODS]
     if unknown or not args.method_list:
         p.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    if BASELINE not in args.method_list:
+        p.error(f"--methods must include {BASELINE}: every measure is paired with its run of the same seed")
     if not args.seed_list or len(set(args.seed_list)) != len(args.seed_list):
         p.error("--seeds: give distinct integers, e.g. 0,1,2")
-    if args.steps < 1 or args.parallel < 1 or args.window < 1 or args.quality_samples < 1:
-        p.error("--steps, --parallel, --window and --quality-samples must be >= 1")
-    if not all(0 < f <= 1 for f in args.frac_list):
-        p.error("--fracs: every value must be in (0, 1]")
-    k, fillers = _ints(args.k_range), _ints(args.fillers)
-    if len(k) != 2 or not 2 <= k[0] <= k[1] or len(fillers) != 2 or not 0 <= fillers[0] <= fillers[1]:
-        p.error("--k-range needs 2 <= fewest <= most (e.g. 3,5); --fillers needs 0 <= fewest <= most (e.g. 2,4)")
-    args.spec = TestbedSpec(k_min=k[0], k_max=k[1], fillers_min=fillers[0], fillers_max=fillers[1])
+    if args.steps < 1 or args.quality_samples < 1 or args.val_every < 0:
+        p.error("--steps and --quality-samples must be >= 1, --val-every >= 0")
+    if not all(0 < f <= 1 for f in args.frac_list) or 0.1 not in args.frac_list:
+        p.error("--fracs: every value must be in (0, 1], and 0.1 among them (the report's recall@10%)")
     return args
 
 
@@ -95,8 +86,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------
 
 
-def run_summary(run: Run) -> dict:
-    """Per-step curves of one run from its metric records."""
+def run_summary(run: Run, credit: dict | None) -> dict:
+    """Per-step curves of one run from its metric records, and its credit measures (None: GRPO)."""
     train = train_records(run.records)
     val = {r["step"]: r["data"][VAL_REWARD] for r in run.records if VAL_REWARD in r["data"]}
     return {
@@ -106,86 +97,68 @@ def run_summary(run: Run) -> dict:
         "step_seconds": [r["data"].get("timing_s/step") for r in train],
         "importance_seconds": [r["data"].get("oar/timing_s/token_importance") for r in train],
         "val_accuracy": {str(k): v for k, v in sorted(val.items())},
+        "credit": credit,
         "seconds": round(run.finished - run.started, 1),
     }
 
 
-def method_dynamics(runs: dict[str, list[dict]], *, baseline: str, window: int, threshold: float | None) -> dict:
-    """Steps to threshold, run-to-run variance and their ratios to ``baseline``, per method."""
-    curves = {m: [r["reward"] for r in rs] for m, rs in runs.items()}
-    auto = dynamics.auto_threshold(curves, baseline, window) if baseline in curves else None
-    value = threshold if threshold is not None else (auto.value if auto else None)
-    out: dict = {
-        "window": window,
-        "baseline": baseline,
-        "threshold": value,
-        "threshold_rule": "given by --threshold" if threshold is not None else
-        ("start + 0.5 x (best smoothed GRPO mean - start)" if auto else "undefined: GRPO never rose above its start"),
-        "start_reward": auto.start if auto else None,
-        "baseline_best": auto.best if auto else None,
-        "methods": {},
-    }
-    for method, rs in curves.items():
-        steps = len(rs[0])
-        reached = [dynamics.steps_to_threshold(c, value, window) if value is not None else None for c in rs]
-        censored = sum(s is None for s in reached)
-        # a run that never reached it counts as steps + 1: the mean is then a lower bound
-        mean_steps = statistics.fmean(s if s is not None else steps + 1 for s in reached) if value is not None else None
-        mean, std, _, _ = dynamics.mean_and_spread(rs)
-        val_start = [r["val_accuracy"].get("0") for r in runs[method]]
-        val_end = [r["val_accuracy"].get(str(steps)) for r in runs[method]]
-        step_s = [s for r in runs[method] for s in r["step_seconds"][1:] if s is not None]  # step 1 warms up
-        imp_s = [s for r in runs[method] for s in r["importance_seconds"][1:] if s is not None]
-        out["methods"][method] = {
-            "steps_to_threshold": reached,
-            "censored": censored,
-            "mean_steps_to_threshold": mean_steps,
-            "variance": dynamics.run_variance(rs, window),
-            "final_reward": statistics.fmean(dynamics.smooth(mean, window)[-1:]),
-            "mean_reward": statistics.fmean(mean),
-            "val_accuracy_start": _mean_or_none(val_start),
-            "val_accuracy_end": _mean_or_none(val_end),
-            "median_step_seconds": statistics.median(step_s) if step_s else None,
-            "median_importance_seconds": statistics.median(imp_s) if imp_s else None,
-        }
-    base = out["methods"].get(baseline)
-    for row in out["methods"].values():
-        row["steps_ratio"] = dynamics.ratio(row["mean_steps_to_threshold"], base and base["mean_steps_to_threshold"])
-        row["variance_ratio"] = dynamics.ratio(row["variance"], base and base["variance"])
-        row["step_seconds_ratio"] = dynamics.ratio(row["median_step_seconds"], base and base["median_step_seconds"])
-    return out
+def credit_of(run: Run, tokenizer) -> tuple[dict | None, list[float]]:
+    """The run's credit measures (``testbed.credit``) and its per-response concentrations; GRPO (no
+    dumps): None, [] -- its concentration is 1 by construction."""
+    from verl_oar.testbed.credit import run_credit
+
+    if run.dump_dir is None:
+        return None, []
+    measured = run_credit(run.dump_dir, tokenizer, method(run.method).signal, seed=run.seed)
+    return measured.as_dict(), measured.concentrations
 
 
-def _mean_or_none(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.fmean(present) if present else None
+def same_response_weights(runs: Sequence[Run], tokenizer, count: int) -> list[dict]:
+    """Heatmap rows: the token weights every method gave the *same* responses at step 1 (every run of
+    a seed starts from the same model with the same rollout seed, so their step-1 responses are the
+    same). Picks the first ``count`` responses of the first dumped run's step 1 that have an oracle, a
+    non-zero GRPO advantage and a twin in every other dumped run of that seed. GRPO: weight 1."""
+    import torch
 
+    from verl_oar.testbed.pick_max import oracle_token_masks
 
-def heatmap_examples(result, count: int) -> list[dict]:
-    """The first ``count`` scored responses: tokens, the heatmap estimators' scores, the oracle masks
-    (response coordinates, response tokens only)."""
-    batch, tok = result.batch, result.tokenizer
+    seed = runs[0].seed if runs else None
+    dumped = [r for r in runs if r.seed == seed and r.dump_dir is not None and (r.dump_dir / "step_1.pt").exists()]
+    if not dumped:
+        return []
+    loaded = {r.method: torch.load(r.dump_dir / "step_1.pt", weights_only=False) for r in dumped}
+
+    def sequences(dump) -> list[tuple[int, ...]]:
+        return [tuple(dump["responses"][b][dump["response_mask"][b].bool()].tolist()) for b in range(dump["responses"].shape[0])]
+
+    index = {m: {seq: b for b, seq in enumerate(sequences(d))} for m, d in loaded.items()}
+    first = dumped[0].method
     examples = []
-    for b in range(min(count, batch.ids.shape[0])):
-        p, t = int(batch.prompt_len[b]), int(batch.response_len[b])
-        ids = batch.ids[b, p : p + t].tolist()
-        prompt = tok.decode(batch.ids[b, :p].tolist(), skip_special_tokens=True)
+    for seq, b in index[first].items():
+        if len(examples) == count:
+            break
+        masks = oracle_token_masks(list(seq), tokenizer)
+        if masks is None or float(loaded[first]["grpo_advantages"][b].abs().max()) == 0.0:
+            continue
+        if not all(seq in index[m] for m in loaded):
+            continue
+        rows = {}
+        for name in (m for m in (r.method for r in runs if r.seed == seed)):
+            if name in loaded:
+                row = index[name][seq]
+                rows[name] = loaded[name]["weights"][row, : len(seq)].tolist()
+            else:
+                rows[name] = [1.0] * len(seq)  # no token signal: the same advantage on every token
         examples.append({
-            "prompt": next((line for line in prompt.splitlines() if line.startswith("sum:")), prompt.strip()),
-            "tokens": [tok.decode([i]) for i in ids],
-            "scores": {name: result.scores[name][b, :t].tolist() for name in HEATMAP_ESTIMATORS},
-            "masks": {name: batch.oracle[name][b, :t].tolist() for name in ("direct", "chain")},
-            "truth": batch.truths[b],
+            "tokens": [tokenizer.decode([t]) for t in seq],
+            "weights": rows,
+            "masks": {"causal": masks.causal.tolist(), "reasoning": masks.reasoning.tolist()},
+            "advantage": float(loaded[first]["grpo_advantages"][b][loaded[first]["response_mask"][b].bool()][0]),
         })
     return examples
 
 
-# ---------------------------------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------------------------------
-
-
-def write_val_subset(bed, count: int, path: Path) -> Path:
+def write_val_subset(bed: Testbed, count: int, path: Path) -> Path:
     """The first ``count`` val prompts, the same for every run (verl's ``val_max_samples`` draws at random)."""
     import pandas as pd
 
@@ -194,19 +167,27 @@ def write_val_subset(bed, count: int, path: Path) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None, *, spec: TestbedSpec | None = None) -> dict:
-    """Run the demo; ``spec`` (in-process callers, e.g. tests) replaces the testbed spec of the flags."""
+# ---------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Run the demo (see the module docstring); returns the summary."""
     args = parse_args(argv)
-    if spec is not None:
-        args.spec = spec
     from verl_oar.tools.heatmap_render import MissingMatplotlib, require_matplotlib
 
     try:  # the report needs it at the end: say so now, not after the training runs
         require_matplotlib("the demo's report figures")
     except MissingMatplotlib as error:
         raise SystemExit(f"verl_oar.testbed.demo: {error}") from None
-    from verl_oar.testbed.quality import run_quality
-    from verl_oar.testbed.report import write_report
+    from verl_oar.cpu.overrides import RAY_ADDRESS_ENV
+    from verl_oar.cpu.ray_cluster import SharedRayCluster
+    from verl_oar.cpu.workspace import build_tokenizer
+    from verl_oar.testbed.comparison import compare
+    from verl_oar.testbed.machine import machine_info
+    from verl_oar.testbed.quality import load_testbed, run_quality
+    from verl_oar.testbed.report import headline, write_report
 
     start = time.time()
     out = args.out.expanduser().resolve()
@@ -214,45 +195,64 @@ def main(argv: Sequence[str] | None = None, *, spec: TestbedSpec | None = None) 
     command = "python -m verl_oar.testbed.demo " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     _log(f"report folder {out}; methods {args.method_list}, seeds {args.seed_list}, {args.steps} steps each")
 
-    _log(f"1/4 testbed (k {args.spec.k_range}, fillers {args.spec.fillers}) in {args.workdir}")
-    bed = build_testbed(args.workdir, args.spec)
+    source = committed_testbed() if args.testbed is None else load_testbed(args.testbed)
+    bed = copy_testbed(source, out / "testbed")
     warm = bed.manifest["val_samples"]
-    _log(f"    warm start: sampled accuracy {warm['accuracy']:.2f}, parse rate {warm['parse_rate']:.2f}")
+    _log(f"1/4 testbed from {source.root}: sampled accuracy {warm['sampled_accuracy']:.2f}, greedy "
+         f"{warm['greedy_accuracy']:.2f}, filler entropy {warm['filler_entropy']:.2f} nats/token")
 
     _log(f"2/4 importance quality on {args.quality_samples} sampled responses of the warm-started model")
     quality = run_quality(bed, samples=args.quality_samples, seed=0, fracs=args.frac_list)
     q = quality.report
-    recall10 = {n: q["estimators"][n]["recall"]["direct"].get("0.1") for n in QUALITY_ESTIMATORS}
-    _log("    recall of the direct oracle @10%: " + ", ".join(f"{n} {v:.2f}" for n, v in recall10.items() if v is not None)
-         + f" ({q['seconds']} s)")
+    _log("    recall of the causal tokens @10%: " + ", ".join(
+        f"{n} {q['estimators'][n]['recall']['causal']['0.1']:.2f}" for n in QUALITY_ESTIMATORS) + f" ({q['seconds']} s)")
 
     settings = RunSettings(steps=args.steps, batch_size=args.batch_size, n=args.n, lr=args.lr,
                            val_every=args.val_every, val_prompts=args.val_prompts)
     val_file = write_val_subset(bed, args.val_prompts, out / "data" / "val_subset.parquet")
-    runs = make_runs(bed, args.method_list, args.seed_list, settings, neutral_id=q["config"]["neutral_id"],
-                     out_dir=out, val_file=val_file)
-    _log(f"3/4 {len(runs)} training runs through verl.trainer.main_ppo, {args.parallel} at a time "
-         f"(about a minute each to start, then a few seconds per step)")
-    run_all(runs, parallel=args.parallel, total_steps=args.steps, log=lambda m: _log("    " + m), timeout_s=args.run_timeout)
+    cluster = SharedRayCluster(out / "logs" / "ray_cluster.log") if not os.environ.get(RAY_ADDRESS_ENV) else None
+    saved = {k: os.environ.get(k) for k in (cluster.env if cluster else {})}
+    try:
+        if cluster:
+            os.environ.update(cluster.env)  # the runs' overrides and environments join this cluster
+        runs = make_runs(bed, args.method_list, args.seed_list, settings, neutral_id=q["config"]["neutral_id"],
+                         out_dir=out, val_file=val_file)
+        _log(f"3/4 {len(runs)} training runs through verl.trainer.main_ppo, one after the other in one Ray "
+             f"cluster (about a minute each to start, then a few seconds per step)")
+        run_all(runs, total_steps=args.steps, log=lambda m: _log("    " + m), timeout_s=args.run_timeout)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if cluster:
+            cluster.stop()
 
-    per_method: dict[str, list[dict]] = {}
+    _log("4/4 summary and report")
+    tokenizer = build_tokenizer()
+    per_method: dict[str, list[dict]] = {m: [] for m in args.method_list}
+    concentrations: dict[str, list[float]] = {m: [] for m in args.method_list}
     for run in runs:
-        per_method.setdefault(run.method, []).append(run_summary(run))
+        credit, values = credit_of(run, tokenizer)
+        per_method[run.method].append(run_summary(run, credit))
+        concentrations[run.method] += values
     summary = {
         "command": command,
         "seeds": args.seed_list,
         "methods": args.method_list,
-        "settings": {**vars(settings), "parallel": args.parallel, "quality_samples": args.quality_samples,
-                     "fracs": args.frac_list},
-        "testbed": {"root": str(bed.root), "spec": bed.manifest["spec"], "warm_start": bed.manifest["warm_start"],
-                    "val_samples": bed.manifest["val_samples"], "num_parameters": bed.manifest["num_parameters"]},
+        "settings": {**vars(settings), "quality_samples": args.quality_samples, "fracs": args.frac_list},
+        "machine": machine_info(),
+        "testbed": {"source": str(source.root), "spec": bed.manifest["spec"], "warm_start": bed.manifest["warm_start"],
+                    "val_samples": warm, "num_parameters": bed.manifest["num_parameters"],
+                    "built_on": bed.manifest.get("machine")},
         "runs": per_method,
-        "dynamics": method_dynamics(per_method, baseline="grpo", window=args.window, threshold=args.threshold),
+        "comparison": compare(per_method, BASELINE),
+        "concentration_quartiles": {m: _quartiles(v) for m, v in concentrations.items()},
         "quality": q,
-        "heatmaps": heatmap_examples(quality, args.heatmaps),
+        "same_response": same_response_weights(runs, tokenizer, 3),
         "seconds": None,
     }
-    _log("4/4 report")
     summary["seconds"] = round(time.time() - start, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     index = write_report(out, summary)
@@ -262,21 +262,10 @@ def main(argv: Sequence[str] | None = None, *, spec: TestbedSpec | None = None) 
     return summary
 
 
-def headline(summary: dict) -> list[str]:
-    """The report's headline numbers as text lines."""
-    d = summary["dynamics"]
-    lines = [f"threshold {d['threshold']:.3f} ({d['threshold_rule']})" if d["threshold"] is not None
-             else f"threshold: {d['threshold_rule']}"]
-    for method, row in d["methods"].items():
-        lines.append(
-            f"{method}: steps to threshold {row['steps_to_threshold']} (ratio to grpo {row['steps_ratio']:.2f}), "
-            f"variance ratio {row['variance_ratio']:.2f}, mean reward {row['mean_reward']:.3f}, "
-            f"{row['median_step_seconds'] or float('nan'):.1f} s/step"
-        )
-    est = summary["quality"]["estimators"]
-    lines.append("recall@10% (direct oracle): " + ", ".join(
-        f"{n} {est[n]['recall']['direct'][str(0.1)]:.2f}" for n in QUALITY_ESTIMATORS if str(0.1) in est[n]["recall"]["direct"]))
-    return lines
+def _quartiles(values: Sequence[float]) -> dict:
+    from verl_oar.testbed.credit import summarize
+
+    return {**summarize(values), "responses": len(values)}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Training-dynamics summaries of several runs per method: mean/spread curves, steps to a reward
-threshold, run-to-run variance, and their ratios against a baseline (GRPO). Plain Python, no torch.
+threshold, run-to-run variance (``testbed.comparison`` builds the pre-registered measures on them).
+Plain Python, no torch.
 
 A *curve* is a list of per-step values (step 1 first), one per run (seed); runs of one method have
 the same length. Smoothing is a trailing mean over ``window`` steps, so step s uses steps
@@ -10,18 +11,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-__all__ = [
-    "Threshold",
-    "auto_threshold",
-    "mean_and_spread",
-    "run_variance",
-    "smooth",
-    "steps_to_threshold",
-    "ratio",
-]
+__all__ = ["mean_and_spread", "run_variance", "smooth", "steps_to_threshold"]
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
@@ -55,36 +47,6 @@ def steps_to_threshold(curve: Sequence[float], threshold: float, window: int) ->
     return None
 
 
-@dataclass(frozen=True)
-class Threshold:
-    value: float
-    """the reward to reach"""
-    start: float
-    """mean reward of step 1 over every run of every method (they start from the same model)"""
-    best: float
-    """the baseline's best smoothed mean reward"""
-    fraction: float
-    """value = start + fraction * (best - start)"""
-
-
-def auto_threshold(
-    curves: Mapping[str, Sequence[Sequence[float]]], baseline: str, window: int, fraction: float = 0.5
-) -> Threshold | None:
-    """The reward halfway (``fraction``) from the common start to the baseline's best smoothed mean.
-
-    Defined on the baseline so that the baseline reaches it by construction and a ratio below 1 means
-    a method got there sooner. None if the baseline never improves on the start (no ratio then).
-    """
-    if baseline not in curves:
-        raise ValueError(f"baseline {baseline!r} has no runs (methods: {sorted(curves)})")
-    start = statistics.fmean(run[0] for runs in curves.values() for run in runs if run)
-    mean, _, _, _ = mean_and_spread(curves[baseline])
-    best = max(smooth(mean, window))
-    if not best > start:
-        return None
-    return Threshold(start + fraction * (best - start), start, best, fraction)
-
-
 def run_variance(curves: Sequence[Sequence[float]], window: int) -> float:
     """Run-to-run variance: per step, the sample variance over runs of the smoothed curves; averaged
     over steps. NaN with fewer than 2 runs."""
@@ -93,13 +55,6 @@ def run_variance(curves: Sequence[Sequence[float]], window: int) -> float:
     smoothed = [smooth(c, window) for c in curves]
     _check_same_length(smoothed)
     return statistics.fmean(statistics.variance(column) for column in zip(*smoothed))
-
-
-def ratio(value: float | None, baseline: float | None) -> float:
-    """value / baseline; NaN if either is missing or NaN, or the baseline is 0."""
-    if value is None or baseline is None or math.isnan(value) or math.isnan(baseline) or baseline == 0:
-        return math.nan
-    return value / baseline
 
 
 def _check_same_length(curves: Sequence[Sequence[float]]) -> None:

@@ -8,7 +8,7 @@ score is a random ranking, reproducible with the generator's seed.
 
 Two measures, per ``frac``:
 
-1. recall of an oracle set O of causal tokens (``verl_oar.testbed.chain_sum``):
+1. recall of an oracle set O of causal tokens (``verl_oar.testbed.pick_max``):
    ``|top_k ∩ O| / |O|``, averaged over the responses that have an oracle;
 2. counterfactual accuracy drop: occlude (replace by a neutral id) or delete the top-k tokens,
    greedily decode the answer after the modified reasoning and the answer marker (``\\boxed{``), and

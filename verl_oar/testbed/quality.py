@@ -1,18 +1,18 @@
-"""Importance quality on the chain_sum testbed: does each estimator find the tokens the answer depends on?
+"""Importance quality on the pick_max testbed: does each estimator find the tokens the answer depends on?
 
-    python -m verl_oar.testbed.quality [--workdir DIR] [--samples N] [--seed S] [--fracs 0.05,0.1,0.2]
+    python -m verl_oar.testbed.quality [--testbed DIR] [--samples N] [--seed S] [--fracs 0.05,0.1,0.2]
         [--out results.json]
 
 Steps, in the order they run:
 
-1. load the testbed in ``--workdir`` (built with the default ``TestbedSpec`` if there is none);
+1. load the committed testbed (``workspace.committed_testbed``), or the one in ``--testbed``;
 2. sample N val prompts (cycled if N > n_val) and one response each at temperature 1
    (transformers ``generate``), seeded by ``--seed``;
-3. read the oracle from each response's text (``chain_sum.oracle_batch``); responses without one
-   (unreadable trace, no answer) are skipped and counted;
+3. read the oracle from each response's text (``pick_max.oracle_batch``); responses without one
+   (no answer) are skipped and counted;
 4. score the reasoning tokens of the rest with every estimator (below) on the same model, one
    padded batch (OAR-G, entropy) or one sequence at a time (OAR-P);
-5. recall@K% of the ``direct`` and ``chain`` oracles per estimator (``importance_quality.mean_recall``);
+5. recall@K% of the ``causal`` oracle (the picks) per estimator (``importance_quality.mean_recall``);
 6. counterfactual accuracy drop per estimator: occlude its top-K% reasoning tokens with a space and
    greedily decode the answer after the modified reasoning and ``\\boxed{``
    (``importance_quality.accuracy_drop``); ``answer_flip``: the same, with the model's own greedy
@@ -22,12 +22,12 @@ Steps, in the order they run:
 Estimators: ``oar_g_noisy_kl`` (OAR-G, AS-MEAN, grad x input, sigma 1e-3), ``oar_g_loglik`` (OAR-G
 with J = answer log-likelihood), ``oar_p_exact`` (OAR-P, one occlusion per token, AS-MEAN),
 ``oar_p_chunk8`` (OAR-P, 8 contiguous chunks), ``entropy`` (policy entropy at each token), ``random``,
-and ``oracle`` (a sanity row: the direct tokens, then the rest of the chain, then the others).
+and ``oracle`` (a sanity row: the causal tokens first).
 
 Choices, stated:
 
 1. Neutral token: a space (byte 32), for OAR-P's occlusion and for the counterfactual. Filler words
-   are separated by spaces, so a space is in-distribution and carries no number; the worker's
+   are separated by spaces, so a space is in-distribution and carries no digit; the worker's
    default (the pad token ``<|endoftext|>``) never appears in the warm-start data, so its
    embedding is untrained and occluding with it measures an out-of-distribution input as much as
    a missing token. ``--neutral pad`` uses the pad token for both instead.
@@ -45,7 +45,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,11 +53,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from verl_oar.cpu.workspace import read_manifest
 from verl_oar.core.gradient import GradientConfig
 from verl_oar.core.hf import hf_importance
 from verl_oar.core.perturbation import PerturbationConfig
-from verl_oar.testbed.chain_sum import oracle_batch
+from verl_oar.testbed.pick_max import ORACLES, oracle_batch
 from verl_oar.testbed.importance_quality import (
     CounterfactualExample,
     accuracy_drop,
@@ -72,17 +70,14 @@ from verl_oar.testbed.workspace import (
     MANIFEST,
     TESTBED_VERSION,
     Testbed,
-    TestbedSpec,
-    build_testbed,
+    committed_testbed,
     max_response_tokens,
     sample_responses,
 )
 
 ESTIMATORS = ("oar_g_noisy_kl", "oar_g_loglik", "oar_p_exact", "oar_p_chunk8", "entropy", "random", "oracle")
 """Rows of the table, in order."""
-ORACLES = ("direct", "chain")
 ANSWER_MARKER = "\\boxed{"
-DEFAULT_WORKDIR = os.path.join(tempfile.gettempdir(), "verl_oar_testbed")
 OAR_P_MAX_TOKENS = 8192
 """OAR-P token budget per model call (rows x tokens)"""
 
@@ -108,9 +103,9 @@ class Batch:
     response_len: Tensor
     """(B,) long"""
     oracle: dict[str, Tensor]
-    """``oracle_batch`` of the responses: "reasoning", "answer", "direct", "chain" (B, T) bool; "found" (B,)"""
+    """``oracle_batch`` of the responses: "reasoning", "answer", "causal" (B, T) bool; "found" (B,)"""
     truths: list[str]
-    """the sum, per row"""
+    """the right answer, per row"""
 
     def to_full(self, response_mask: Tensor) -> Tensor:
         """(B, T) response-coordinate bool -> (B, L) full-sequence bool."""
@@ -146,7 +141,7 @@ def make_batch(samples: Sequence[tuple[list[int], list[int]]], truths: Sequence[
     ]
     if not keep:
         raise RuntimeError(
-            f"none of the {len(samples)} sampled responses has a readable chain_sum trace; the testbed model "
+            f"none of the {len(samples)} sampled responses has a boxed answer; the testbed model "
             "is not warm-started enough (rebuild with more warm_start_steps)"
         )
     length = max(len(samples[b][0]) + len(samples[b][1]) for b in keep)
@@ -191,8 +186,8 @@ def oar_p_scores(model, batch: Batch, mode: str, budget: int, neutral_id: int) -
 
 
 def oracle_scores(batch: Batch) -> Tensor:
-    """(B, L) float32: 2 on direct tokens, 1 on the rest of the chain, 0 elsewhere (sanity row)."""
-    return (batch.to_full(batch.oracle["direct"]).float() + batch.to_full(batch.oracle["chain"]).float())
+    """(B, L) float32: 1 on causal tokens, 0 elsewhere (sanity row)."""
+    return batch.to_full(batch.oracle["causal"]).float()
 
 
 def all_scores(model, batch: Batch, neutral_id: int, seed: int) -> tuple[dict[str, Tensor], dict[str, float]]:
@@ -233,7 +228,7 @@ def expected_random_recall(batch: Batch, fracs: Sequence[float]) -> dict[float, 
 
 
 def counterfactual_examples(batch: Batch) -> list[CounterfactualExample]:
-    """One example per row: prompt ids, the reasoning tokens (a prefix of the response), the sum."""
+    """One example per row: prompt ids, the reasoning tokens (a prefix of the response), the right answer."""
     examples = []
     for b in range(batch.ids.shape[0]):
         p = int(batch.prompt_len[b])
@@ -254,7 +249,7 @@ def measure(model, tokenizer, batch: Batch, scores: dict[str, Tensor], fracs: Se
     reasoning = batch.oracle["reasoning"]
     # the model's own greedy answer after the unmodified reasoning: "answer_flip" is how often
     # occlusion changes it (accuracy drop with this answer as the truth), informative even when the
-    # model is wrong about the sum
+    # model is wrong
     own_answers = [
         greedy_answer(model, torch.cat([e.prompt_ids, e.reasoning_ids, e.prompt_ids.new_tensor(marker)]), decode)
         for e in examples
@@ -294,20 +289,23 @@ def measure(model, tokenizer, batch: Batch, scores: dict[str, Tensor], fracs: Se
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_testbed(workdir: str | os.PathLike) -> Testbed:
-    """The testbed in ``workdir`` whatever its spec (if built by this version), else a default build."""
-    root = Path(workdir).expanduser().resolve()
+def load_testbed(directory: str | os.PathLike) -> Testbed:
+    """The testbed built in ``directory`` (by this version of ``workspace.build_testbed``)."""
+    from verl_oar.cpu.workspace import read_manifest
+
+    root = Path(directory).expanduser().resolve()
     manifest = read_manifest(root, MANIFEST)
-    if manifest is not None and manifest.get("version") == TESTBED_VERSION:
-        return Testbed(root, manifest)
-    return build_testbed(root, TestbedSpec())
+    if manifest is None or manifest.get("version") != TESTBED_VERSION:
+        raise SystemExit(f"{root} holds no pick_max testbed of version {TESTBED_VERSION}; build one with "
+                         f"python -m verl_oar.testbed.workspace {root}")
+    return Testbed(root, manifest)
 
 
 def print_table(report: dict) -> None:
-    """Recall@frac (direct / chain) and accuracy drop per estimator, as text."""
+    """Recall@frac of the causal oracle and accuracy drop per estimator, as text."""
     fracs = report["config"]["fracs"]
     head = " | ".join(f"{f:>5}" for f in fracs)
-    columns = (("recall direct @", "recall", "direct"), ("recall chain @", "recall", "chain"),
+    columns = (("recall causal @", "recall", "causal"),
                ("acc drop @", "accuracy_drop", None), ("answer flip @", "answer_flip", None))
     print("\n" + " | ".join([f"{'estimator':<16}", *(f"{label:>15} {head}" for label, _, _ in columns), "seconds"]))
     for name, row in report["estimators"].items():
@@ -379,8 +377,7 @@ def run_quality(
         "samples": {"total": samples, "counted": int(batch.ids.shape[0]), "skipped": skipped,
                     "sampled_accuracy": sampled_accuracy,
                     "mean_reasoning_tokens": float(batch.oracle["reasoning"].sum(1).float().mean()),
-                    "mean_direct_tokens": float(batch.oracle["direct"].sum(1).float().mean()),
-                    "mean_chain_tokens": float(batch.oracle["chain"].sum(1).float().mean())},
+                    "mean_causal_tokens": float(batch.oracle["causal"].sum(1).float().mean())},
         "expected_random_recall": {str(f): v for f, v in expected_random_recall(batch, fracs).items()},
         "estimators": estimators,
         "seconds": round(time.time() - start, 1),
@@ -390,7 +387,7 @@ def run_quality(
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default=DEFAULT_WORKDIR, help="testbed directory (built there if absent)")
+    parser.add_argument("--testbed", default=None, help="a testbed directory (default: the committed one)")
     parser.add_argument("--samples", type=int, default=48, help="responses sampled (one per val prompt)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fracs", default="0.05,0.1,0.2", help="top fractions K%% of the reasoning tokens")
@@ -400,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     fracs = [float(f) for f in args.fracs.split(",")]
     if args.samples < 1 or not all(0 < f <= 1 for f in fracs):
         parser.error("--samples must be >= 1 and every --fracs value in (0, 1]")
-    report = run_quality(load_testbed(args.workdir), samples=args.samples, seed=args.seed, fracs=fracs,
+    bed = committed_testbed() if args.testbed is None else load_testbed(args.testbed)
+    report = run_quality(bed, samples=args.samples, seed=args.seed, fracs=fracs,
                          neutral=args.neutral).report
     print_table(report)
     if args.out:

@@ -1,16 +1,19 @@
-"""Render the demo's ``summary.json`` as an HTML page with PNG figures (matplotlib, Agg backend).
+"""Render the demo's ``summary.json``: an HTML page with PNG figures (matplotlib, Agg backend), the
+console headline, the plain-language summary and README's results table -- all from the numbers.
 
-    python -m verl_oar.testbed.report DIR      # re-render DIR/index.html from DIR/summary.json
+    python -m verl_oar.testbed.report DIR              # re-render DIR/index.html from DIR/summary.json
+    python -m verl_oar.testbed.report --readme FILE    # print README's results table from a summary JSON
 
 Figures (file names in the report folder):
 
-- ``reward.png``: training reward (= accuracy of the step's sampled responses) vs step per method,
-  mean over seeds with the min-max band, and the threshold; held-out greedy accuracy before/after;
-- ``ratios.png``: steps to the threshold and run-to-run variance, as ratios OAR / GRPO;
-- ``step_time.png``: median wall-clock seconds per training step per method (importance part hatched);
-- ``recall.png``: recall of the oracle causal tokens at top-K% per estimator (direct and chain oracles);
-- ``counterfactual.png``: accuracy drop and answer-flip rate when the top-K% tokens are occluded;
-- ``heatmap_<i>.png``: token importance of sample traces (OAR-G, OAR-P) with the oracle underneath.
+- ``reward.png``: training reward vs step per method (mean over seeds, min-max band) with the
+  threshold; held-out greedy accuracy vs step (mean, and each seed);
+- ``measures.png``: each pre-registered measure, method minus GRPO, with its paired bootstrap 95% interval;
+- ``credit.png``: credit concentration per method (per response, median and quartiles; each run's
+  median) and recall@10% of each method's token signal (each run);
+- ``step_time.png``: median wall-clock seconds per training step per method;
+- ``recall.png``, ``counterfactual.png``: importance quality on the warm-started model;
+- ``heatmap_<i>.png``: every method's token weights on the same response, the oracle underneath.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import math
 import sys
 from pathlib import Path
 
-COLORS = {"grpo": "#555555", "oar_g": "#1f77b4", "oar_p": "#d62728"}
+from verl_oar.testbed.comparison import MEASURES
+from verl_oar.testbed.methods import METHODS
+
 ESTIMATOR_STYLE = {
     "oar_g_noisy_kl": ("OAR-G (noisy KL)", "#1f77b4", "-"),
     "oar_g_loglik": ("OAR-G (loglik)", "#6baed6", "--"),
@@ -31,7 +36,22 @@ ESTIMATOR_STYLE = {
     "random": ("random", "#7f7f7f", ":"),
     "oracle": ("oracle (sanity)", "#000000", "-."),
 }
-LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P"}
+MEASURE_TEXT = {
+    "steps_to_threshold": ("steps to threshold", "steps", "fewer is better"),
+    "auc": ("held-out accuracy AUC", "accuracy", "higher is better"),
+    "final": ("final held-out accuracy", "accuracy", "higher is better"),
+    "gain": ("held-out accuracy gain", "accuracy", "higher is better"),
+    "step_seconds": ("wall-clock per step", "s", "lower is better"),
+    "variance": ("run-to-run variance", "reward^2", "lower is better"),
+}
+
+
+def _label(m: str) -> str:
+    return METHODS[m].label if m in METHODS else m
+
+
+def _color(m: str) -> str | None:
+    return METHODS[m].color if m in METHODS else None
 
 
 def _plt():
@@ -43,55 +63,121 @@ def _plt():
     return plt
 
 
+def _nan(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _fmt(value, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    return "n/a" if _nan(value) else f"{value:.{digits}f}"
+
+
+def _interval(iv: dict | None, digits: int = 2) -> str:
+    """``0.12 [0.05, 0.20]``; ``0.12`` alone without an interval (one seed)."""
+    if iv is None or _nan(iv.get("estimate")):
         return "n/a"
-    return f"{value:.{digits}f}"
+    if _nan(iv.get("low")) or _nan(iv.get("high")):
+        return _fmt(iv["estimate"], digits)
+    return f"{iv['estimate']:.{digits}f} [{iv['low']:.{digits}f}, {iv['high']:.{digits}f}]"
+
+
+def _rows(summary: dict, method: str) -> dict:
+    c = summary["comparison"]["methods"][method]
+    return {**{m: c["mean"][m] for m in MEASURES}, "variance": c["variance"]}
+
+
+def _diffs(summary: dict, method: str) -> dict:
+    c = summary["comparison"]["methods"][method]
+    return {**(c["vs_baseline"] or {}), "variance": c["variance_vs_baseline"]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# figures
+# ---------------------------------------------------------------------------------------------------
 
 
 def plot_reward(summary: dict, path: Path) -> None:
     from verl_oar.testbed.dynamics import mean_and_spread
 
     plt = _plt()
-    fig, (ax, ax_val) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2.2, 1]})
+    fig, (ax, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
     for method, runs in summary["runs"].items():
         mean, _, low, high = mean_and_spread([r["reward"] for r in runs])
         steps = list(range(1, len(mean) + 1))
-        color = COLORS.get(method)
-        ax.plot(steps, mean, color=color, label=f"{LABELS.get(method, method)} (mean of {len(runs)})")
-        ax.fill_between(steps, low, high, color=color, alpha=0.15)
-    threshold = summary["dynamics"]["threshold"]
-    if threshold is not None:
-        ax.axhline(threshold, color="k", lw=0.8, ls="--", label=f"threshold {threshold:.3f}")
-    ax.set(xlabel="training step", ylabel="reward = accuracy of sampled responses",
+        ax.plot(steps, mean, color=_color(method), label=f"{_label(method)} (mean of {len(runs)})")
+        ax.fill_between(steps, low, high, color=_color(method), alpha=0.15)
+        curves = [sorted((int(s), v) for s, v in r["val_accuracy"].items()) for r in runs]
+        for curve in curves:
+            ax_val.plot([s for s, _ in curve], [v for _, v in curve], color=_color(method), alpha=0.25, lw=0.8)
+        if curves and all(len(c) == len(curves[0]) for c in curves):
+            ax_val.plot([s for s, _ in curves[0]], [sum(c[i][1] for c in curves) / len(curves) for i in range(len(curves[0]))],
+                        "o-", color=_color(method), label=_label(method))
+    ax.axhline(summary["comparison"]["threshold"], color="k", lw=0.8, ls="--",
+               label=f"threshold {summary['comparison']['threshold']}")
+    ax.set(xlabel="training step", ylabel="reward = accuracy of sampled responses", ylim=(0, 1.02),
            title="Training reward (band: min-max over seeds)")
     ax.legend(fontsize=8)
-    for i, (method, runs) in enumerate(summary["runs"].items()):
-        for r in runs:
-            points = sorted((int(s), v) for s, v in r["val_accuracy"].items())
-            if points:
-                ax_val.plot([p[0] + 0.15 * i for p in points], [p[1] for p in points], "o-", color=COLORS.get(method),
-                            alpha=0.7, label=LABELS.get(method, method) if r is runs[0] else None)
-    ax_val.set(xlabel="training step", ylabel="greedy accuracy", title="Held-out accuracy (each seed)")
+    ax_val.set(xlabel="training step", ylabel="greedy accuracy", ylim=(0, 1.02),
+               title="Held-out accuracy (thin: each seed)")
     ax_val.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_ratios(summary: dict, path: Path) -> None:
+def plot_measures(summary: dict, path: Path) -> None:
     plt = _plt()
-    methods = [m for m in summary["dynamics"]["methods"] if m != summary["dynamics"]["baseline"]]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, key, title in ((axes[0], "steps_ratio", "Steps to threshold, OAR / GRPO"),
-                           (axes[1], "variance_ratio", "Run-to-run variance, OAR / GRPO")):
-        values = [summary["dynamics"]["methods"][m][key] for m in methods]
-        shown = [0.0 if v is None or math.isnan(v) else v for v in values]
-        bars = ax.bar([LABELS.get(m, m) for m in methods], shown, color=[COLORS.get(m) for m in methods])
-        for bar, v in zip(bars, values):
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), _fmt(v), ha="center", va="bottom")
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set(title=title + " (below 1: OAR better)")
+    base = summary["comparison"]["baseline"]
+    methods = [m for m in summary["comparison"]["methods"] if m != base]
+    names = [*MEASURES, "variance"]
+    fig, axes = plt.subplots(1, len(names), figsize=(3 * len(names), 3.2))
+    for ax, name in zip(axes, names):
+        for i, m in enumerate(methods):
+            iv = _diffs(summary, m).get(name)
+            if iv is None or _nan(iv.get("estimate")):
+                continue
+            lo = iv["estimate"] - iv["low"] if not _nan(iv.get("low")) else 0.0
+            hi = iv["high"] - iv["estimate"] if not _nan(iv.get("high")) else 0.0
+            ax.errorbar([i], [iv["estimate"]], yerr=[[lo], [hi]], fmt="o", color=_color(m), capsize=4)
+        ax.axhline(0.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(methods)), [_label(m) for m in methods])
+        text, unit, better = MEASURE_TEXT[name]
+        ax.set_title(f"{text}\n(- {_label(base)}; {better})", fontsize=9)
+        ax.set_ylabel(unit, fontsize=8)
+        ax.set_xlim(-0.6, len(methods) - 0.4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_credit(summary: dict, path: Path) -> None:
+    plt = _plt()
+    methods = list(summary["runs"])
+    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for i, m in enumerate(methods):
+        q = summary["concentration_quartiles"].get(m, {})
+        runs = summary["runs"][m]
+        if not q.get("responses"):  # no dumps: uniform credit by construction
+            ax.plot([i], [1.0], "s", color=_color(m), ms=8)
+            ax.annotate("1 by construction", (i, 1.0), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+            continue
+        ax.errorbar([i], [q["median"]], yerr=[[q["median"] - q["q25"]], [q["q75"] - q["median"]]], fmt="s",
+                    color=_color(m), capsize=5, ms=8)
+        ax.plot([i + 0.15] * len(runs), [r["credit"]["median_concentration"] for r in runs], ".", color=_color(m))
+        recalls = [r["credit"]["mean_recall_at_10"] for r in runs if r["credit"]]
+        ax_r.plot([i] * len(recalls), recalls, "o", color=_color(m))
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(range(len(methods)), [_label(m) for m in methods])
+    ax.set(title="Credit concentration: mean |A| on causal / on other\nreasoning tokens (square: median, IQR; dots: runs)",
+           ylabel="ratio (log)")
+    ax.title.set_fontsize(9)
+    ax_r.set_xticks(range(len(methods)), [_label(m) for m in methods])
+    ax_r.set(ylim=(0, 1.02), ylabel="recall@10%", title="Recall@10% of the oracle by each method's token signal\n(each run; GRPO has none)")
+    ax_r.title.set_fontsize(9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -99,44 +185,38 @@ def plot_ratios(summary: dict, path: Path) -> None:
 
 def plot_step_time(summary: dict, path: Path) -> None:
     plt = _plt()
-    rows = summary["dynamics"]["methods"]
-    methods = list(rows)
-    total = [rows[m]["median_step_seconds"] or 0.0 for m in methods]
-    importance = [rows[m]["median_importance_seconds"] or 0.0 for m in methods]
+    methods = list(summary["runs"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [LABELS.get(m, m) for m in methods]
-    ax.bar(names, total, color=[COLORS.get(m) for m in methods], alpha=0.6, label="whole step")
-    ax.bar(names, importance, color="none", edgecolor="k", hatch="//", label="token importance")
-    for i, t in enumerate(total):
-        ax.text(i, t, f"{t:.1f} s", ha="center", va="bottom")
-    ax.set(ylabel="seconds (median over steps 2..)", title="Wall-clock per training step")
-    ax.legend(fontsize=8)
+    for i, m in enumerate(methods):
+        iv = _rows(summary, m)["step_seconds"]
+        per_seed = summary["comparison"]["methods"][m]["per_seed"]["step_seconds"]
+        ax.bar([i], [0.0 if _nan(iv["estimate"]) else iv["estimate"]], color=_color(m), alpha=0.6)
+        ax.plot([i] * len(per_seed), per_seed, "k.")
+    ax.set_xticks(range(len(methods)), [_label(m) for m in methods])
+    ax.set(ylabel="seconds (median over steps 2..)", title="Wall-clock per training step (bar: mean over seeds; dots: runs)")
+    ax.title.set_fontsize(9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def _estimator_curves(ax, quality: dict, values) -> None:
-    """One line per estimator over the top-K% fractions; ``values(row, frac)`` gives the y value."""
     fracs = quality["config"]["fracs"]
     for name, row in quality["estimators"].items():
         label, color, style = ESTIMATOR_STYLE.get(name, (name, None, "-"))
-        ax.plot([100 * f for f in fracs], [values(row, str(f)) for f in fracs], style, marker="o", color=color,
-                label=label)
+        ax.plot([100 * f for f in fracs], [values(row, str(f)) for f in fracs], style, marker="o", color=color, label=label)
 
 
 def plot_recall(summary: dict, path: Path) -> None:
     plt = _plt()
     q = summary["quality"]
     fracs = q["config"]["fracs"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, oracle in zip(axes, ("direct", "chain")):
-        _estimator_curves(ax, q, lambda row, f, oracle=oracle: row["recall"][oracle][f])
-        ax.plot([100 * f for f in fracs], [q["expected_random_recall"][str(f)] for f in fracs], color="#bbbbbb",
-                lw=3, alpha=0.5, label="E[random]")
-        ax.set(xlabel="top K% of reasoning tokens", ylabel="recall", ylim=(0, 1.05),
-               title=f"Recall of the '{oracle}' oracle tokens")
-    axes[0].legend(fontsize=7)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _estimator_curves(ax, q, lambda row, f: row["recall"]["causal"][f])
+    ax.plot([100 * f for f in fracs], [q["expected_random_recall"][str(f)] for f in fracs], color="#bbbbbb", lw=3,
+            alpha=0.5, label="E[random]")
+    ax.set(xlabel="top K% of reasoning tokens", ylabel="recall", ylim=(0, 1.05), title="Recall of the causal tokens (the picks)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -145,7 +225,7 @@ def plot_recall(summary: dict, path: Path) -> None:
 def plot_counterfactual(summary: dict, path: Path) -> None:
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "accuracy_drop", "Accuracy drop (truth: the sum)"),
+    for ax, key, title in ((axes[0], "accuracy_drop", "Accuracy drop (truth: the right answer)"),
                            (axes[1], "answer_flip", "Answer flip (truth: the model's own answer)")):
         _estimator_curves(ax, summary["quality"], lambda row, f, key=key: row[key][f])
         ax.set(xlabel="top K% of reasoning tokens occluded", ylabel="rate", title=title)
@@ -156,100 +236,168 @@ def plot_counterfactual(summary: dict, path: Path) -> None:
 
 
 def plot_heatmaps(summary: dict, out: Path) -> list[str]:
-    """One PNG per example (``heatmap_render.render_png``); returns the file names."""
+    """One PNG per same-response example (``heatmap_render.render_png``); returns the file names."""
     from verl_oar.tools.heatmap_render import render_png
 
     names = []
-    for i, ex in enumerate(summary["heatmaps"]):
+    for i, ex in enumerate(summary["same_response"]):
         name = f"heatmap_{i}.png"
-        rows = [(ESTIMATOR_STYLE.get(k, (k,))[0], v) for k, v in ex["scores"].items()]
-        masks = [(f"oracle: {k}", v) for k, v in ex["masks"].items()]
-        render_png(out / name, ex["tokens"], rows, masks, title=f"{ex['prompt']}  (sum {ex['truth']})")
+        rows = [(f"{_label(m)} weight", w) for m, w in ex["weights"].items()]
+        render_png(out / name, ex["tokens"], rows, [("oracle: causal", ex["masks"]["causal"])],
+                   title=f"token weights at step 1, same response (GRPO advantage {ex['advantage']:+.2f})")
         names.append(name)
     return names
 
 
-def _headline_table(summary: dict) -> str:
-    d = summary["dynamics"]
-    head = ("<tr><th>method</th><th>steps to threshold (per seed)</th><th>ratio to GRPO</th><th>variance ratio</th>"
-            "<th>mean reward</th><th>mean reward per seed</th><th>final reward (smoothed)</th><th>held-out acc. before &rarr; after</th>"
-            "<th>s / step</th><th>importance s / step</th></tr>")
-    rows = []
-    for m, r in d["methods"].items():
-        reached = ", ".join("never" if s is None else str(s) for s in r["steps_to_threshold"])
-        per_seed = ", ".join(_fmt(sum(run["reward"]) / len(run["reward"]), 3) for run in summary["runs"][m])
-        rows.append(
-            f"<tr><td>{LABELS.get(m, m)}</td><td>{reached}</td><td>{_fmt(r['steps_ratio'])}</td>"
-            f"<td>{_fmt(r['variance_ratio'])}</td><td>{_fmt(r['mean_reward'], 3)}</td><td>{per_seed}</td><td>{_fmt(r['final_reward'], 3)}</td>"
-            f"<td>{_fmt(r['val_accuracy_start'])} &rarr; {_fmt(r['val_accuracy_end'])}</td>"
-            f"<td>{_fmt(r['median_step_seconds'], 1)}</td><td>{_fmt(r['median_importance_seconds'], 2)}</td></tr>"
-        )
-    return f"<table>{head}{''.join(rows)}</table>"
+# ---------------------------------------------------------------------------------------------------
+# text: summary paragraph, tables, headline
+# ---------------------------------------------------------------------------------------------------
 
 
-def _quality_table(summary: dict) -> str:
-    q = summary["quality"]
-    fracs = q["config"]["fracs"]
-    cols = "".join(f"<th>direct @{100 * f:g}%</th>" for f in fracs)
-    head = f"<tr><th>estimator</th>{cols}<th>chain @10%</th><th>acc. drop @10%</th><th>answer flip @10%</th><th>seconds</th></tr>"
-    rows = []
-    for name, row in q["estimators"].items():
-        cells = "".join(f"<td>{_fmt(row['recall']['direct'][str(f)])}</td>" for f in fracs)
-        rows.append(
-            f"<tr><td>{ESTIMATOR_STYLE.get(name, (name,))[0]}</td>{cells}<td>{_fmt(row['recall']['chain'].get('0.1'))}</td>"
-            f"<td>{_fmt(row['accuracy_drop'].get('0.1'))}</td><td>{_fmt(row['answer_flip'].get('0.1'))}</td>"
-            f"<td>{_fmt(row['seconds'])}</td></tr>"
+def _verdict(iv: dict | None, lower_is_better: bool) -> str:
+    """What a paired difference's interval says, in words."""
+    if iv is None or _nan(iv.get("estimate")):
+        return "not measured"
+    if _nan(iv.get("low")) or _nan(iv.get("high")):
+        return "no interval (one seed)"
+    if iv["low"] > 0 or iv["high"] < 0:
+        better = (iv["high"] < 0) == lower_is_better
+        return "better than GRPO" if better else "worse than GRPO"
+    return "no difference detected"
+
+
+def plain_summary(summary: dict) -> str:
+    """One paragraph, generated from the numbers (no hand-written verdict that could go stale)."""
+    comp = summary["comparison"]
+    base = comp["baseline"]
+    seeds = len(summary["seeds"])
+    b = _rows(summary, base)
+    steps = summary["settings"]["steps"]
+    parts = [
+        f"{seeds} seed{'s' if seeds != 1 else ''}, {steps} steps per run, {len(summary['runs'])} methods, on "
+        f"{summary['machine']['cpu']} ({summary['machine']['cores']} cores).",
+        f"{_label(base)}'s held-out greedy accuracy went from "
+        f"{_fmt(_mean([float(r['val_accuracy']['0']) for r in summary['runs'][base] if '0' in r['val_accuracy']]))} to "
+        f"{_fmt(b['final']['estimate'])} (gain {_interval(b['gain'])}), so the task is learnable in this budget."
+        if not _nan(b["gain"]["estimate"]) and b["gain"]["estimate"] >= 0.2 else
+        f"{_label(base)}'s held-out greedy accuracy gained only {_interval(b['gain'])}: the comparison below cannot "
+        "say whether credit assignment speeds learning up.",
+    ]
+    for m in comp["methods"]:
+        if m == base:
+            continue
+        d = _diffs(summary, m)
+        verdicts = {name: _verdict(d.get(name), name in ("steps_to_threshold", "step_seconds", "variance"))
+                    for name in ("steps_to_threshold", "auc", "final", "variance", "step_seconds")}
+        conc = summary["concentration_quartiles"].get(m, {}).get("median")
+        parts.append(
+            f"{_label(m)} vs {_label(base)}: steps to reward {comp['threshold']} {_interval(d.get('steps_to_threshold'), 1)} "
+            f"({verdicts['steps_to_threshold']}), held-out AUC {_interval(d.get('auc'))} ({verdicts['auc']}), "
+            f"run-to-run variance {_interval(d.get('variance'), 4)} ({verdicts['variance']}), seconds per step "
+            f"{_interval(d.get('step_seconds'), 1)} ({verdicts['step_seconds']}); it put {_fmt(conc)}x more |advantage| "
+            "per token on the causal tokens than on the others (median response; GRPO: 1)."
         )
-    return f"<table>{head}{''.join(rows)}</table>"
+    if seeds < 5:
+        parts.append(f"With {seeds} seed{'s' if seeds != 1 else ''} the intervals are wide or absent: this run shows the "
+                     "pipeline and the credit each method assigns, not whether one method learns faster; "
+                     "README's long run (5 seeds) is the comparison.")
+    return " ".join(parts)
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else math.nan
+
+
+def comparison_table_markdown(summary: dict) -> str:
+    """README's table: per method the mean over seeds [bootstrap 95% interval] and, below GRPO's, the
+    paired difference to GRPO [paired bootstrap 95% interval]."""
+    comp = summary["comparison"]
+    base = comp["baseline"]
+    cols = ["steps_to_threshold", "auc", "final", "variance", "step_seconds"]
+    head = "| method | " + " | ".join(MEASURE_TEXT[c][0] for c in cols) + " | credit concentration | recall@10% |"
+    lines = [head, "|" + "---|" * (len(cols) + 3)]
+    for m in comp["methods"]:
+        rows, diffs = _rows(summary, m), _diffs(summary, m)
+        digits = {"steps_to_threshold": 1, "variance": 4, "step_seconds": 1}
+        cells = []
+        censored = comp["methods"][m]["censored"]
+        for c in cols:
+            cell = _interval(rows[c], digits.get(c, 2))
+            if c == "steps_to_threshold" and censored:
+                cell += f" ({censored} of {len(comp['methods'][m]['seeds'])} never)"
+            if m != base:
+                cell += f"<br>diff {_interval(diffs.get(c), digits.get(c, 2))}"
+            cells.append(cell)
+        q = summary["concentration_quartiles"].get(m, {})
+        conc = "1 (by construction)" if not q.get("responses") else f"{_fmt(q['median'])} (IQR {_fmt(q['q25'])}-{_fmt(q['q75'])})"
+        recalls = [r["credit"]["mean_recall_at_10"] for r in summary["runs"][m] if r.get("credit")]
+        recall = _fmt(_mean(recalls)) if recalls else "n/a"
+        lines.append(f"| {_label(m)} | " + " | ".join(cells) + f" | {conc} | {recall} |")
+    return "\n".join(lines)
+
+
+def headline(summary: dict) -> list[str]:
+    """The report's headline as console lines."""
+    return [plain_summary(summary), *comparison_table_markdown(summary).splitlines()]
+
+
+def _html_table(summary: dict) -> str:
+    lines = comparison_table_markdown(summary).splitlines()
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cells(lines[0]))
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c).replace('&lt;br&gt;', '<br>')}</td>" for c in cells(line)) + "</tr>"
+                   for line in lines[2:])
+    return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def write_report(out: Path, summary: dict) -> Path:
     """Write every figure and ``index.html`` into ``out``; return the page's path."""
     out = Path(out)
-    figures = {
-        "reward.png": plot_reward,
-        "ratios.png": plot_ratios,
-        "step_time.png": plot_step_time,
-        "recall.png": plot_recall,
-        "counterfactual.png": plot_counterfactual,
-    }
+    figures = {"reward.png": plot_reward, "measures.png": plot_measures, "credit.png": plot_credit,
+               "step_time.png": plot_step_time, "recall.png": plot_recall, "counterfactual.png": plot_counterfactual}
     for name, plot in figures.items():
         plot(summary, out / name)
     heatmaps = plot_heatmaps(summary, out)
 
-    d, q, tb = summary["dynamics"], summary["quality"], summary["testbed"]
-    s = q["samples"]
-    threshold = (f"{d['threshold']:.3f} ({html.escape(d['threshold_rule'])}; start {_fmt(d['start_reward'], 3)}, "
-                 f"GRPO best {_fmt(d['baseline_best'], 3)})" if d["threshold"] is not None else html.escape(d["threshold_rule"]))
+    comp, q, tb = summary["comparison"], summary["quality"], summary["testbed"]
+    s, vs = q["samples"], tb["val_samples"]
     img = lambda name, alt: f'<p><img src="{name}" alt="{alt}" style="max-width:100%"></p>'
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>OAR on the chain_sum testbed</title>
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Credit assignment on the pick_max testbed</title>
 <style>body{{font-family:sans-serif;max-width:1150px;margin:auto;padding:1em}} table{{border-collapse:collapse;margin:0.5em 0}}
 td,th{{border:1px solid #ccc;padding:3px 7px;font-size:13px}} code{{background:#f4f4f4}}</style></head><body>
-<h1>OAR vs GRPO on the chain_sum testbed (CPU, verl's trainer)</h1>
+<h1>Token credit assignment on the pick_max testbed (CPU, verl's trainer)</h1>
+<p><b>Summary.</b> {html.escape(plain_summary(summary))}</p>
 <p>Command: <code>{html.escape(summary['command'])}</code><br>Seeds: {summary['seeds']}; methods: {summary['methods']};
-settings: <code>{html.escape(json.dumps(summary['settings']))}</code>; total {summary['seconds']} s.
-Every number below is computed from this run's metric files (<code>metrics/</code>) and <code>summary.json</code>.</p>
-<p>Task: <code>sum: a b c ...</code> &rarr; a running-sum trace padded with filler words, then <code>\\boxed{{sum}}</code>.
-Testbed: {tb['num_parameters']:,}-parameter Qwen2, warm start {html.escape(json.dumps(tb['warm_start']))};
-sampled accuracy at the start {_fmt(tb['val_samples']['accuracy'])} (parse rate {_fmt(tb['val_samples']['parse_rate'])}).
-Reward = 1 for the right sum, else 0, so the training reward is the accuracy of the step's sampled responses.</p>
-<h2>Training dynamics</h2>
-<p>Threshold: {threshold}; smoothing window {d['window']} steps. A run that never reaches it counts as
-steps + 1 in the mean (a lower bound). Variance: per step, the variance over seeds of the smoothed reward, averaged
-over steps. With {len(summary['seeds'])} seed(s) these ratios are noisy: compare the methods' differences with the
-spread of each method's per-seed mean reward before reading an effect into them.</p>
-{_headline_table(summary)}
-{img('reward.png', 'reward vs step')}{img('ratios.png', 'ratios')}{img('step_time.png', 'wall-clock per step')}
-<h2>Importance quality (warm-started model, {s['counted']} of {s['total']} sampled responses with an oracle)</h2>
-<p>Oracle: <b>direct</b> = the tokens of the last running total (the answer copies it); <b>chain</b> = every number of
-the trace. Counterfactual: occlude the top-K% reasoning tokens with a space and greedily re-decode the answer.
-Sampled accuracy {_fmt(s['sampled_accuracy'])}; mean reasoning tokens {_fmt(s['mean_reasoning_tokens'], 1)}, of which
-direct {_fmt(s['mean_direct_tokens'], 1)}, chain {_fmt(s['mean_chain_tokens'], 1)}. Seeds: {html.escape(json.dumps(q['config']['seeds']))}.</p>
-{_quality_table(summary)}
+settings: <code>{html.escape(json.dumps(summary['settings']))}</code>; total {summary['seconds']} s.<br>
+Machine: <code>{html.escape(json.dumps(summary['machine']))}</code>.
+Every number below is computed from this run's metric files (<code>metrics/</code>), dumps (<code>dumps/</code>) and
+<code>summary.json</code>.</p>
+<p>Task: <code>max: 3 7 | 2 5</code> &rarr; random filler words, the larger digit of each pair, then the picks boxed:
+<code>qzt kdm 7 abx fod 5 kle pqa \\boxed{{75}}</code>. Reward 1 for the right answer, else 0. The oracle causal tokens are
+the picks (read from the text). Start (committed, {tb['num_parameters']:,}-parameter Qwen2): sampled accuracy
+{_fmt(vs['sampled_accuracy'])}, greedy {_fmt(vs['greedy_accuracy'])}, filler entropy {_fmt(vs['filler_entropy'])} nats/token over
+{_fmt(vs['filler_tokens'], 0)} non-causal reasoning tokens, pick entropy {_fmt(vs['pick_entropy'])} (docs/testbed.md).</p>
+<h2>Pre-registered measures</h2>
+<p>Per method: mean over seeds [bootstrap 95% interval]; under it, the paired difference to GRPO (same seed: same
+prompt order and start) [paired bootstrap 95% interval]. Threshold: training reward {comp['threshold']} (3-step trailing
+mean), fixed before any comparison; a run that never reaches it counts as steps + 1 (censored:
+{', '.join(f"{_label(m)} {r['censored']}" for m, r in comp['methods'].items())}). AUC: mean held-out greedy accuracy
+over training (trapezoid over the validation points). Variance: per step, the variance over seeds of the trailing-mean
+reward, averaged over steps. Credit concentration: per response, mean |token advantage| on causal tokens / on the other
+reasoning tokens, from every dumped step.</p>
+{_html_table(summary)}
+{img('reward.png', 'reward vs step')}{img('measures.png', 'differences to GRPO')}
+<h2>The credit each method assigned</h2>
+{img('credit.png', 'credit concentration and recall')}
+<p>Token weights each method gave the same responses at step 1 (every run of a seed samples the same responses at step 1),
+the oracle underneath.</p>
+{''.join(img(h, h) for h in heatmaps) or '<p>(no dumped run: no heatmap)</p>'}
+{img('step_time.png', 'wall-clock per step')}
+<h2>Importance quality on the starting model ({s['counted']} of {s['total']} sampled responses with an answer)</h2>
+<p>Recall of the causal tokens among each estimator's top K% reasoning tokens; counterfactual: occlude the top K% with a
+space and greedily re-decode the answer. Sampled accuracy {_fmt(s['sampled_accuracy'])}; mean reasoning tokens
+{_fmt(s['mean_reasoning_tokens'], 1)}, of which causal {_fmt(s['mean_causal_tokens'], 1)}.</p>
 {img('recall.png', 'recall at K')}{img('counterfactual.png', 'counterfactual')}
-<h2>Token-importance heatmaps (warm-started model)</h2>
-<p>Each row is normalised to its maximum over the response; the oracle masks are underneath.</p>
-{''.join(img(h, h) for h in heatmaps)}
 </body></html>"""
     index = out / "index.html"
     index.write_text(page)
@@ -257,11 +405,15 @@ direct {_fmt(s['mean_direct_tokens'], 1)}, chain {_fmt(s['mean_chain_tokens'], 1
 
 
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args[:1] == ["--readme"]:
+        print(comparison_table_markdown(json.loads(Path(args[1]).read_text())))
+        raise SystemExit(0)
     from verl_oar.tools.heatmap_render import MissingMatplotlib, require_matplotlib
 
     try:
         require_matplotlib("the report's figures")
     except MissingMatplotlib as error:
         raise SystemExit(f"verl_oar.testbed.report: {error}") from None
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "oar_demo")
+    folder = Path(args[0] if args else "oar_demo")
     print(write_report(folder, json.loads((folder / "summary.json").read_text())))

@@ -1,23 +1,25 @@
-"""Train on the chain_sum testbed through ``python -m verl.trainer.main_ppo`` in CPU mode: one run per
-(method, seed), several at a time, with per-step progress read from verl's file logger.
+"""Train on the pick_max testbed through ``python -m verl.trainer.main_ppo`` in CPU mode: one run per
+(method, seed), one after the other in one Ray cluster (``verl_oar.cpu.ray_cluster``), with per-step
+progress read from verl's file logger.
 
 ``run_overrides`` is the whole configuration of a run: ``verl_oar.cpu.overrides.cpu_overrides`` (what
-CPU mode needs) plus the testbed's settings below. Methods differ only in ``algorithm.adv_estimator``
-and the ``algorithm.oar.*`` keys; seeds only in ``data.seed`` (prompt order), the rollout seed
-(sampling), the FSDP seed and ``algorithm.oar.seed`` (OAR-G's noise). Every run starts from the same
-warm-started model.
+CPU mode needs) plus the testbed's settings below. Methods differ only in ``algorithm.*`` (their
+entries in ``testbed.methods``, a test checks it); seeds only in ``data.seed`` (prompt order), the
+rollout seed (sampling), the FSDP seed and the methods' own seeds. Every run starts from the same
+committed warm-started model.
 
-Testbed settings, and why:
+Testbed settings, and why (docs/testbed.md, "Decisions"):
 
 - 8 prompts x 8 responses per step (GRPO groups of 8, as the recipes), one PPO mini-batch per step
-  (on-policy), lr 1e-4 (AdamW, the tiny model's scale), no KL loss (no reference pass: it would cost
-  a tenth of a step and the recipes' coefficient, 1e-3, does not act within a few dozen steps);
+  (on-policy), lr 1e-3 (AdamW; chosen on GRPO alone so that it learns within the demo's steps), no KL
+  loss (no reference pass);
+- greedy validation on 64 held-out prompts before training and every ``val_every`` steps;
 - ``use_remove_padding=False``: on CPU, packed sequences attend through a dense block-diagonal
   mask, which made the log-prob and update passes twice as slow as padded batches here;
 - verl's replay buffer polls every 2 s; ``verl_oar.cpu.replay_buffer.QuickPollReplayBuffer`` polls
   every 0.05 s (verl's custom-sampler extension point), a third of a tiny step otherwise;
-- OAR-P occludes with a space (the quality measure's neutral token, see ``testbed.quality``), exact
-  mode (one copy per reasoning token, the paper's definition); OAR-G runs with the package defaults.
+- runs of methods with a token signal dump their token tensors every step (``Method.dump``), which
+  ``testbed.credit`` reads.
 """
 
 from __future__ import annotations
@@ -32,14 +34,12 @@ from pathlib import Path
 
 from verl_oar.cpu.launch import stop_process_group, trainer_env
 from verl_oar.cpu.overrides import cpu_overrides
+from verl_oar.testbed.methods import method
 from verl_oar.testbed.workspace import Testbed, max_response_tokens
 
-METHODS = ("grpo", "oar_g", "oar_p")
-"""the estimators the demo can train with (``algorithm.adv_estimator``)"""
-
 REWARD = "critic/score/mean"
-"""per-step mean reward of the step's responses; on chain_sum it is their accuracy (1 right, 0 wrong)"""
-VAL_REWARD = "val-core/verl_oar/chain_sum/acc/mean@1"
+"""per-step mean reward of the step's responses; on pick_max it is their accuracy (1 right, 0 wrong)"""
+VAL_REWARD = "val-core/verl_oar/pick_max/acc/mean@1"
 """greedy accuracy on the held-out val prompts (verl's validation, ``val_kwargs.do_sample=False``)"""
 
 
@@ -47,32 +47,31 @@ VAL_REWARD = "val-core/verl_oar/chain_sum/acc/mean@1"
 class RunSettings:
     """What the demo's flags change; the rest of a run's configuration is fixed (module docstring)."""
 
-    steps: int = 10
+    steps: int = 12
     batch_size: int = 8
     """prompts per step"""
     n: int = 8
     """responses per prompt"""
-    lr: float = 1e-4
-    val_every: int = 0
-    """validate (greedy, on ``val_prompts`` val prompts) before training and every this many steps;
-    0 = before training and after the last step only"""
+    lr: float = 1e-3
+    val_every: int = 4
+    """validate (greedy, on ``val_prompts`` val prompts) before training and every this many steps
+    (and after the last); 0 = before training and after the last step only"""
     val_prompts: int = 64
 
 
-def method_overrides(method: str, seed: int, neutral_id: int) -> list[str]:
-    """``algorithm.*`` overrides of a method (GRPO: none beyond the estimator)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    out = [f"algorithm.adv_estimator={method}"]
-    if method != "grpo":
-        out.append(f"+algorithm.oar.seed={seed}")
-    if method == "oar_p":
-        out += ["+algorithm.oar.perturb_mode=exact", f"+algorithm.oar.perturb_token_id={neutral_id}"]
+def method_overrides(name: str, seed: int, neutral_id: int, dump_dir: Path | None = None) -> list[str]:
+    """``algorithm.*`` overrides of a method (its ``testbed.methods`` entry); with ``dump_dir``, also
+    those that make it dump its token tensors there (methods with a token signal)."""
+    entry = method(name)
+    out = [f"algorithm.adv_estimator={entry.name}", *entry.algorithm(seed, neutral_id)]
+    if dump_dir is not None and entry.dump is not None:
+        out += entry.dump(str(dump_dir))
     return out
 
 
 def run_overrides(
-    bed: Testbed, method: str, seed: int, settings: RunSettings, *, neutral_id: int, name: str, val_file: Path
+    bed: Testbed, method: str, seed: int, settings: RunSettings, *, neutral_id: int, name: str, val_file: Path,
+    dump_dir: Path | None = None,
 ) -> list[str]:
     """The Hydra overrides of one run (``name`` = ``trainer.experiment_name``)."""
     response_length = max_response_tokens(bed.spec)
@@ -90,7 +89,7 @@ def run_overrides(
         experiment_name=name,
         seed=seed,
     )
-    out += method_overrides(method, seed, neutral_id)
+    out += method_overrides(method, seed, neutral_id, dump_dir)
     out += [
         "actor_rollout_ref.model.use_remove_padding=False",
         "trainer.v1.sampler.custom_sampler.path=pkg://verl_oar.cpu.replay_buffer",
@@ -114,6 +113,8 @@ class Run:
     metrics_path: Path
     log_path: Path
     cwd: Path
+    dump_dir: Path | None = None
+    """where the run dumps its token tensors (methods with a token signal)"""
     process: subprocess.Popen | None = None
     started: float = 0.0
     finished: float = 0.0
@@ -145,14 +146,15 @@ def train_records(records: Sequence[dict]) -> list[dict]:
 
 
 def run_all(
-    runs: Sequence[Run], *, parallel: int, total_steps: int, log: Callable[[str], None], timeout_s: float | None = None
+    runs: Sequence[Run], *, total_steps: int, log: Callable[[str], None], timeout_s: float | None = None
 ) -> None:
-    """Run every run, ``parallel`` at a time, in order; log each new step as it lands. Raises
-    RuntimeError naming the first failed run and its log once every run has ended."""
+    """Run every run, one at a time (they share one Ray cluster, and TransferQueue's controller is a
+    named actor in a fixed namespace), in order; log each new step as it lands. Raises RuntimeError
+    naming the first failed run and its log once every run has ended."""
     queue = list(runs)
     active: list[Run] = []
     while queue or active:
-        while queue and len(active) < parallel:
+        while queue and not active:
             run = queue.pop(0)
             _start(run)
             log(f"{run.label}: started (log {run.log_path})")
@@ -184,7 +186,7 @@ def _start(run: Run) -> None:
     run.metrics_path.parent.mkdir(parents=True, exist_ok=True)
     run.metrics_path.unlink(missing_ok=True)
     env = trainer_env(run.metrics_path)
-    env.setdefault("OMP_NUM_THREADS", "1")  # each run's processes share the cores with the other runs
+    env.setdefault("OMP_NUM_THREADS", "1")  # a run's processes (rollout, actor, ...) share the cores
     run.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(run.log_path, "w") as log_file:  # the child keeps its own descriptor
         run.process = subprocess.Popen(
@@ -208,14 +210,16 @@ def make_runs(
     bed: Testbed, methods: Sequence[str], seeds: Sequence[int], settings: RunSettings, *, neutral_id: int,
     out_dir: Path, val_file: Path,
 ) -> list[Run]:
-    """One Run per (method, seed), method-major: with 2 at a time and 2 seeds, a method's runs share
-    the machine with each other, so its step time is measured under the same load as the others'."""
+    """One Run per (method, seed), seed-major (every method of seed 0, then of seed 1, ...): a run cut
+    short leaves complete pairs behind. Files: ``out_dir/{metrics,logs,dumps}/<method>_seed<seed>``."""
     runs = []
-    for method in methods:
-        for seed in seeds:
-            name = f"{method}_seed{seed}"
+    for seed in seeds:
+        for name in methods:
+            label = f"{name}_seed{seed}"
+            dump_dir = out_dir / "dumps" / label
             cmd = [sys.executable, "-m", "verl.trainer.main_ppo",
-                   *run_overrides(bed, method, seed, settings, neutral_id=neutral_id, name=name, val_file=val_file)]
-            runs.append(Run(method, seed, cmd, out_dir / "metrics" / f"{name}.jsonl", out_dir / "logs" / f"{name}.log",
-                            cwd=bed.root))
+                   *run_overrides(bed, name, seed, settings, neutral_id=neutral_id, name=label, val_file=val_file,
+                                  dump_dir=dump_dir)]
+            runs.append(Run(name, seed, cmd, out_dir / "metrics" / f"{label}.jsonl", out_dir / "logs" / f"{label}.log",
+                            cwd=bed.root, dump_dir=dump_dir if method(name).dump is not None else None))
     return runs

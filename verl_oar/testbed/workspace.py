@@ -1,26 +1,22 @@
-"""Build, offline, the chain_sum testbed: a tiny Qwen2 warm-started on chain_sum, verl RL data, a reward.
+"""The pick_max testbed: a tiny Qwen2 warm-started on pick_max, verl RL data and a reward, committed.
 
-``build_testbed(directory, spec)`` writes into ``directory``::
+The demo starts from the committed testbed (``committed_testbed()``: ``verl_oar/testbed/start/``) on
+every machine, because a warm start is not bit-identical across CPUs. ``build_testbed(directory,
+spec)`` is the script that rebuilt it (``python -m verl_oar.testbed.workspace DIR``) and writes::
 
     model/          byte-level tokenizer + tiny Qwen2 (as ``verl_oar.cpu.workspace``), warm-started
-    data/train.parquet, data/val.parquet   chain_sum prompts in verl's RL format (``chain_sum.rl_rows``);
-                    no tuple of numbers is in both
-    reward.py       the reward: 1.0 if the last ``\\boxed{}`` equals the sum, else 0.0 (standard library only)
-    testbed.json    spec, fingerprint, warm-start statistics (final loss, sampled parse rate and accuracy)
+    data/train.parquet, data/val.parquet   pick_max prompts in verl's RL format (``pick_max.rl_rows``);
+                    no prompt is in both
+    reward.py       the reward: 1.0 if the last ``\\boxed{}`` holds the larger digit of every pair, else 0.0
+    testbed.json    spec, fingerprint, warm-start statistics, and the machine that built it
 
 Reused from ``verl_oar.cpu.workspace`` by import: the tokenizer, the model constructor, the chat
-template (through ``chat_prompt_ids``), parquet writing, the build lock and the thread setting. Building
-again with the same spec reuses the directory (same ``fingerprint`` in ``testbed.json``).
+template (through ``chat_prompt_ids``), parquet writing, the build lock and the thread setting.
 
-Departures, on purpose:
-
-1. The warm start is a plain torch loop (AdamW, next-token loss on response tokens), not verl's SFT
-   trainer: a few hundred steps on canonical responses, about a minute on 2 cores.
-2. It is tuned for *partial competence* only -- sampled responses at temperature 1 mostly parse
-   (the oracle finds a trace) and are right sometimes, not always -- so that the answer depends on
-   the trace and an importance ranking has something to find. It is not tuned on any OAR number.
-3. No format bonus in the reward (unlike the CPU workspace's): chain_sum runs start from a model
-   that already boxes its answers.
+The warm start is a plain torch loop (AdamW, next-token loss on response tokens), not verl's SFT
+trainer, on responses whose picks are right only part of the time (``pick_max.warm_start_response``):
+docs/testbed.md gives the decision and its reasons. No format bonus in the reward: the model already
+boxes its answers.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from verl_oar.rewards import tiny_reward
 from verl_oar.cpu.workspace import (
     all_cpu_threads,
     build_lock,
@@ -47,17 +42,30 @@ from verl_oar.cpu.workspace import (
     supervised_steps,
     write_parquet,
 )
-from verl_oar.testbed.chain_sum import (
-    ChainSumProblem,
-    make_problems,
-    parse_response,
-    rl_rows,
-)
+from verl_oar.rewards import tiny_reward
+from verl_oar.testbed.machine import machine_info
+from verl_oar.testbed.pick_max import PickMaxProblem, make_problems, parse_response, rl_rows, warm_start_response
 
-__all__ = ["TESTBED_VERSION", "Testbed", "TestbedSpec", "build_testbed", "sample_responses", "split_problems"]
+__all__ = [
+    "COMMITTED",
+    "TESTBED_VERSION",
+    "Testbed",
+    "TestbedSpec",
+    "build_testbed",
+    "committed_testbed",
+    "copy_testbed",
+    "max_response_tokens",
+    "sample_responses",
+    "sample_statistics",
+    "split_problems",
+]
 
-TESTBED_VERSION = 1
-"""bump when the layout or the recipe changes, so that old testbeds are rebuilt"""
+TESTBED_VERSION = 2
+"""2: pick_max (1 was chain_sum)"""
+COMMITTED = Path(__file__).parent / "start"
+"""the committed testbed the demo starts from"""
+MANIFEST = "testbed.json"
+"""the manifest a finished build writes last (``cpu.workspace.read_manifest`` reads it)"""
 
 
 @dataclass(frozen=True)
@@ -68,41 +76,27 @@ class TestbedSpec:
 
     seed: int = 0
     """seeds the problems, the split, the model initialisation, the warm start and its sampling"""
-    k_min: int = 3
-    """fewest numbers to add"""
-    k_max: int = 5
-    """most numbers to add: k in 3..5 gives 2-4 steps and 55-130 character responses"""
-    fillers_min: int = 2
-    """fewest filler words per gap"""
-    fillers_max: int = 4
-    """most filler words per gap: with 2-4, a sampled trace has about 70 reasoning tokens, of which
-    about 9 are numbers (chain) and 1-2 the last total (direct)"""
+    pairs: int = 2
+    """pairs of digits per prompt: the pivotal decisions of a response"""
+    pick_max_prob: float = 0.4
+    """warm-start data: probability that a pick is the pair's larger digit (else its first digit)"""
+    filler_words: int = 2
+    """filler words per gap (before each pick and after the last)"""
+    word_length: int = 3
+    """letters per filler word, each uniform over a..z"""
     n_train: int = 4000
-    """prompts in data/train.parquet; the warm start trains on their canonical responses"""
     n_val: int = 200
-    """prompts in data/val.parquet; their tuples of numbers are not in train"""
     hidden_size: int = 64
     intermediate_size: int = 256
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 512
-    warm_start_steps: int = 600
-    """supervised steps (see the module docstring, point 2). 600 x 16 at lr 5e-3, seed 0: 95% of
-    sampled val responses parse, 12.5% are right, 3% have every total right (about a minute on one
-    core); 1000 x 16 at lr 1e-2 (3 minutes) only reaches 98% / 16% / 19%"""
-    warm_start_batch_size: int = 16
-    warm_start_lr: float = 5e-3
+    max_position_embeddings: int = 256
+    warm_start_steps: int = 4000
+    warm_start_batch_size: int = 32
+    warm_start_lr: float = 3e-3
     stats_samples: int = 64
-    """val prompts sampled (temperature 1) for the warm-start statistics in testbed.json"""
-
-    @property
-    def k_range(self) -> tuple[int, int]:
-        return (self.k_min, self.k_max)
-
-    @property
-    def fillers(self) -> tuple[int, int]:
-        return (self.fillers_min, self.fillers_max)
+    """val prompts sampled (temperature 1) and decoded greedily for the statistics in testbed.json"""
 
     def fingerprint(self) -> str:
         import hashlib
@@ -141,10 +135,6 @@ class Testbed:
         return TestbedSpec(**self.manifest["spec"])
 
 
-MANIFEST = "testbed.json"
-"""the manifest a finished build writes last (``cpu.workspace.read_manifest`` reads it)"""
-
-
 def _log(msg: str) -> None:
     print(f"[verl-oar testbed] {msg}", flush=True)
 
@@ -154,32 +144,31 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def split_problems(spec: TestbedSpec) -> tuple[list[ChainSumProblem], list[ChainSumProblem]]:
-    """(train, val) problems: val is the first ``n_val`` distinct tuples of numbers drawn with the
-    seed; train is drawn from the same generator with every val tuple removed (repeats allowed)."""
-    pool = make_problems(4 * (spec.n_train + spec.n_val), spec.k_range, spec.seed, spec.fillers)
-    val, val_numbers = [], set()
+def split_problems(spec: TestbedSpec) -> tuple[list[PickMaxProblem], list[PickMaxProblem]]:
+    """(train, val): val is the first ``n_val`` distinct prompts drawn with the seed; train is drawn
+    from the same generator with every val prompt removed (repeats allowed)."""
+    pool = make_problems(4 * (spec.n_train + spec.n_val), spec.pairs, spec.seed, pick_max_prob=spec.pick_max_prob,
+                         words=spec.filler_words, word_length=spec.word_length)
+    val, val_pairs = [], set()
     for problem in pool:
         if len(val) == spec.n_val:
             break
-        if problem.numbers not in val_numbers:
+        if problem.pairs not in val_pairs:
             val.append(problem)
-            val_numbers.add(problem.numbers)
-    train = [p for p in pool if p.numbers not in val_numbers][: spec.n_train]
+            val_pairs.add(problem.pairs)
+    train = [p for p in pool if p.pairs not in val_pairs][: spec.n_train]
     if len(val) < spec.n_val or len(train) < spec.n_train:
-        raise ValueError(
-            f"chain_sum with k in {spec.k_range} gave {len(val)}/{spec.n_val} val and {len(train)}/{spec.n_train} "
-            "train problems; lower n_val / n_train or widen the k range"
-        )
+        raise ValueError(f"pick_max with {spec.pairs} pairs gave {len(val)}/{spec.n_val} val and {len(train)}/"
+                         f"{spec.n_train} train problems; lower n_val / n_train or add pairs")
     return train, val
 
 
-_REWARD_HEADER = '''"""Reward of the chain_sum testbed (a verl ``reward.custom_reward_function``), standard library only.
+_REWARD_HEADER = '''"""Reward of the pick_max testbed (a verl ``reward.custom_reward_function``), standard library only.
 
 Written by ``verl_oar.testbed.workspace.build_testbed`` (the box parser is
 ``verl_oar/rewards/tiny_reward.py``'s); verl loads it by path with ``.name=compute_score``.
-Score: 1.0 if the content of the last complete ``\\\\boxed{...}`` equals the ground truth (the sum,
-spaces ignored), else 0.0.
+Score: 1.0 if the content of the last complete ``\\\\boxed{...}`` equals the ground truth (the larger
+digit of every pair, concatenated; spaces ignored), else 0.0.
 """
 
 from __future__ import annotations
@@ -191,7 +180,7 @@ _BOXED = "\\\\boxed{"
 _REWARD_SCORE = '''
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """verl reward-function signature: 1.0 for the right boxed sum, else 0.0."""
+    """verl reward-function signature: 1.0 for the right boxed answer, else 0.0."""
     boxed = last_boxed_content(solution_str)
     return 1.0 if boxed is not None and _normalize(boxed) == _normalize(str(ground_truth)) else 0.0
 '''
@@ -208,34 +197,38 @@ def reward_source() -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def warm_start(model, tokenizer, problems: Sequence[ChainSumProblem], spec: TestbedSpec) -> dict:
-    """Supervised steps on ``prompt -> canonical response + <|im_end|>`` (loss on response tokens).
+def warm_start(model, tokenizer, problems: Sequence[PickMaxProblem], spec: TestbedSpec) -> dict:
+    """Supervised steps on ``prompt -> warm-start response + <|im_end|>`` (loss on response tokens).
 
-    Plain torch loop, AdamW with 20 warm-up steps then constant lr. Returns {"steps", "final_loss"
-    (mean of the last 20 steps, nats/token), "seconds"}.
+    Every example is the prompt of a train problem (cycled) with a *freshly drawn* warm-start response
+    (``pick_max.warm_start_response``: new filler words, new coin flips for the picks), one example per
+    sequence trained on (``warm_start_steps x warm_start_batch_size``): with a fixed response per prompt
+    the model memorises the train prompts' picks and fillers (an earlier build, 6000 steps over 4000 fixed
+    responses, picked the larger digit 14% of the time on held-out prompts instead of 40%).
+    Returns {"steps", "examples", "final_loss" (mean of the last 20 steps, nats/token), "seconds"}.
     """
     rng = random.Random(f"{spec.seed}/warm_start")
-    examples = [
-        (chat_prompt_ids(tokenizer, p.prompt), tokenizer.encode(p.response, add_special_tokens=False) + [tokenizer.eos_token_id])
-        for p in problems
-    ]
+    text_rng = random.Random(f"{spec.seed}/warm_start_responses")
+    prompt_ids = {p.prompt: chat_prompt_ids(tokenizer, p.prompt) for p in problems}
+    examples = []
+    for i in range(spec.warm_start_steps * spec.warm_start_batch_size):
+        p = problems[i % len(problems)]
+        response = warm_start_response(p.pairs, spec.pick_max_prob, spec.filler_words, spec.word_length, text_rng)
+        examples.append((prompt_ids[p.prompt], tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]))
     start = time.time()
-    losses = supervised_steps(
-        model, tokenizer, examples, rng, steps=spec.warm_start_steps, batch_size=spec.warm_start_batch_size,
-        lr=spec.warm_start_lr, log=_log,
-    )
+    losses = supervised_steps(model, tokenizer, examples, rng, steps=spec.warm_start_steps,
+                              batch_size=spec.warm_start_batch_size, lr=spec.warm_start_lr, log=_log)
     tail = losses[-20:]
-    return {
-        "steps": spec.warm_start_steps,
-        "final_loss": round(sum(tail) / max(1, len(tail)), 4),
-        "seconds": round(time.time() - start, 1),
-    }
+    return {"steps": spec.warm_start_steps, "examples": len(examples), "final_loss": round(sum(tail) / max(1, len(tail)), 4),
+            "seconds": round(time.time() - start, 1)}
 
 
 def sample_responses(
-    model, tokenizer, prompts: Sequence[str], *, seed: int, max_new_tokens: int, batch_size: int = 64
+    model, tokenizer, prompts: Sequence[str], *, seed: int, max_new_tokens: int, batch_size: int = 64,
+    greedy: bool = False,
 ) -> list[tuple[list[int], list[int]]]:
-    """Sample one response per prompt at temperature 1 (no top-k/top-p), batched with left padding.
+    """One response per prompt: sampled at temperature 1 (no top-k/top-p) or greedy, batched with
+    left padding.
 
     Returns [(prompt_ids, response_ids)], each a list of token ids without padding; a response stops
     at (and keeps) ``<|im_end|>`` or after ``max_new_tokens`` tokens. Seeded with ``torch.manual_seed(seed)``.
@@ -244,6 +237,7 @@ def sample_responses(
 
     torch.manual_seed(seed)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
     out: list[tuple[list[int], list[int]]] = []
     for first in range(0, len(prompts), batch_size):
         chunk = [chat_prompt_ids(tokenizer, p) for p in prompts[first : first + batch_size]]
@@ -254,10 +248,8 @@ def sample_responses(
             ids[row, width - len(p) :] = torch.tensor(p)
             attention[row, width - len(p) :] = 1
         with torch.no_grad():
-            generated = model.generate(
-                ids, attention_mask=attention, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-            )
+            generated = model.generate(ids, attention_mask=attention, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                       pad_token_id=pad, **sampling)
         for row, p in enumerate(chunk):
             response = generated[row, width:].tolist()
             if eos in response:
@@ -267,54 +259,77 @@ def sample_responses(
 
 
 def max_response_tokens(spec: TestbedSpec) -> int:
-    """Sampling budget (tokens): the longest possible canonical response (byte tokenizer: one token
-    per character) plus eos and a margin of 16."""
-    longest_word = 5  # "right", "hmm ", ...: at most 5 characters plus a space
-    gap = spec.fillers_max * (longest_word + 1)
-    step = len("+9=") + 2 + 1  # operand, two-digit total, space
-    answer = len("\\boxed{}") + 2
-    return 2 + (spec.k_max - 1) * (gap + step) + gap + answer + 1 + 16
+    """Sampling budget (tokens): a warm-start response's length (byte tokenizer: one token per
+    character; every such response has the same length) plus eos and a margin of 16."""
+    gap = spec.filler_words * (spec.word_length + 1)
+    answer = len("\\boxed{}") + spec.pairs
+    return (spec.pairs + 1) * gap + spec.pairs * 2 + answer + 1 + 16
 
 
-def sample_statistics(model, tokenizer, problems: Sequence[ChainSumProblem], spec: TestbedSpec) -> dict:
-    """Sample one response per problem; {"parse_rate" (oracle found), "accuracy" (boxed == sum),
-    "arithmetic_ok" (fraction of parsed traces whose totals are right), "mean_response_tokens", "example"}."""
-    from verl_oar.core.answer_span import find_answer_span
+def sample_statistics(model, tokenizer, problems: Sequence[PickMaxProblem], spec: TestbedSpec) -> dict:
+    """Per problem one sampled (temperature 1) and one greedy response. Returns {"samples",
+    "sampled_accuracy", "greedy_accuracy", "answer_rate" (sampled responses with a boxed answer),
+    "copies_picks" (of those, the answer is exactly the picks), "pick_max_rate" (sampled picks where
+    the second digit is the larger: how often the pick is it), "filler_entropy" and "pick_entropy"
+    (mean policy entropy, nats, over non-causal and causal reasoning tokens of the sampled responses),
+    "filler_tokens" (non-causal reasoning tokens per response), "example"}."""
+    import torch
 
-    samples = sample_responses(
-        model, tokenizer, [p.prompt for p in problems], seed=spec.seed, max_new_tokens=max_response_tokens(spec)
-    )
-    parsed = correct = arithmetic = 0
-    lengths = []
-    for problem, (_, response) in zip(problems, samples):
+    from verl_oar.testbed.pick_max import oracle_token_masks
+
+    limit = max_response_tokens(spec)
+    prompts = [p.prompt for p in problems]
+    sampled = sample_responses(model, tokenizer, prompts, seed=spec.seed, max_new_tokens=limit)
+    greedy = sample_responses(model, tokenizer, prompts, seed=spec.seed, max_new_tokens=limit, greedy=True)
+    right = greedy_right = answered = copies = second_larger = picked_max = 0
+    filler, pivotal = [], []
+    for problem, (prompt, response), (_, greedy_response) in zip(problems, sampled, greedy):
+        greedy_right += _is_right(tokenizer.decode(greedy_response, skip_special_tokens=True), problem)
         text = tokenizer.decode(response, skip_special_tokens=True)
-        trace = parse_response(text)
-        parsed += trace is not None
-        arithmetic += trace is not None and trace.arithmetic_ok
-        answer = find_answer_span(text)
-        correct += answer is not None and text[answer.start : answer.end].strip() == problem.answer
-        lengths.append(len(response))
+        right += _is_right(text, problem)
+        masks = oracle_token_masks(response, tokenizer)
+        if masks is None:
+            continue
+        answered += 1
+        copies += masks.trace.copies_picks
+        if len(masks.trace.picks) == len(problem.pairs):
+            for (a, b), (s, e) in zip(problem.pairs, masks.trace.picks):
+                if b > a:
+                    second_larger += 1
+                    picked_max += text[s:e] == str(b)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+        logp = torch.log_softmax(logits, -1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        filler += entropy[masks.reasoning & ~masks.causal].tolist()
+        pivotal += entropy[masks.causal].tolist()
     n = len(problems)
-    first = samples[0][1] if samples else []
     return {
         "samples": n,
-        "parse_rate": round(parsed / n, 3),
-        "accuracy": round(correct / n, 3),
-        "arithmetic_ok": round(arithmetic / max(1, parsed), 3),
-        "mean_response_tokens": round(sum(lengths) / n, 1),
-        "example": f"{problems[0].prompt} -> {tokenizer.decode(first, skip_special_tokens=True)!r}" if n else None,
+        "sampled_accuracy": round(right / n, 4),
+        "greedy_accuracy": round(greedy_right / n, 4),
+        "answer_rate": round(answered / n, 4),
+        "copies_picks": round(copies / max(1, answered), 4),
+        "pick_max_rate": round(picked_max / max(1, second_larger), 4),
+        "filler_entropy": round(sum(filler) / max(1, len(filler)), 4),
+        "pick_entropy": round(sum(pivotal) / max(1, len(pivotal)), 4),
+        "filler_tokens": round(len(filler) / max(1, answered), 2),
+        "example": f"{problems[0].prompt} -> {tokenizer.decode(sampled[0][1], skip_special_tokens=True)!r}" if n else None,
     }
 
 
+def _is_right(text: str, problem: PickMaxProblem) -> bool:
+    trace = parse_response(text)
+    return trace is not None and text[trace.answer.start : trace.answer.end].strip() == problem.answer
+
+
 # ---------------------------------------------------------------------------------------------------
-# 3. Build
+# 3. Build, the committed testbed, copies
 # ---------------------------------------------------------------------------------------------------
 
 
 def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None, *, force: bool = False) -> Testbed:
-    """Build (or reuse, same fingerprint) the chain_sum testbed in ``directory``; return its paths."""
-    import torch
-
+    """Build (or reuse, same fingerprint) the pick_max testbed in ``directory``; return its paths."""
     spec = spec or TestbedSpec()
     root = Path(directory).expanduser().resolve()
     fingerprint = spec.fingerprint()
@@ -340,8 +355,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
             model = new_tiny_model(spec, tokenizer)
             warm = warm_start(model, tokenizer, train, spec)
             stats = sample_statistics(model, tokenizer, val[: spec.stats_samples], spec)
-        _log(f"warm start: {warm}; sampled on {stats['samples']} val prompts: {stats}")
-
+        _log(f"warm start: {warm}; on {stats['samples']} val prompts: {stats}")
         save_model_dir(model, tokenizer, root / "model")
 
         manifest = {
@@ -354,21 +368,43 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
             "max_response_tokens": max_response_tokens(spec),
             "warm_start": warm,
             "val_samples": stats,
-            "torch": torch.__version__,
+            "machine": machine_info(),
             "build_seconds": round(time.time() - start, 1),
         }
-        (root / MANIFEST).write_text(json.dumps(manifest, indent=2))  # written last: marks completion
+        (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # written last: marks completion
         _log(f"built in {manifest['build_seconds']} s")
         return Testbed(root, manifest)
+
+
+def committed_testbed() -> Testbed:
+    """The committed testbed (read-only: runs use a :func:`copy_testbed`)."""
+    manifest = read_manifest(COMMITTED, MANIFEST)
+    if manifest is None:
+        raise FileNotFoundError(
+            f"the committed testbed is missing ({COMMITTED / MANIFEST}); restore it from git "
+            f"(git checkout -- {COMMITTED}) or rebuild it: python -m verl_oar.testbed.workspace {COMMITTED} --force")
+    return Testbed(COMMITTED, manifest)
+
+
+def copy_testbed(source: Testbed, directory: str | os.PathLike) -> Testbed:
+    """Copy a testbed's files into ``directory`` (replacing a copy there), for runs that write beside it."""
+    root = Path(directory).expanduser().resolve()
+    with build_lock(root):
+        for name in ("model", "data"):
+            shutil.rmtree(root / name, ignore_errors=True)
+            shutil.copytree(source.root / name, root / name)
+        for name in ("reward.py", MANIFEST):
+            shutil.copyfile(source.root / name, root / name)
+    return Testbed(root, read_manifest(root, MANIFEST))
 
 
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Rebuild the pick_max testbed (the committed one: "
+                                                 "python -m verl_oar.testbed.workspace verl_oar/testbed/start --force)")
     parser.add_argument("directory")
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical testbed exists")
-    parser.add_argument("--steps", type=int, default=TestbedSpec.warm_start_steps, help="warm-start steps")
     args = parser.parse_args()
-    bed = build_testbed(args.directory, TestbedSpec(warm_start_steps=args.steps), force=args.force)
+    bed = build_testbed(args.directory, force=args.force)
     print(json.dumps(bed.manifest, indent=2))

@@ -25,7 +25,7 @@ Steps, per response, in the order they run:
 4. OAR weights (``reshape.importance_to_weights`` with ``OARConfig()``'s reshape defaults) of each
    estimator's importance: what training would multiply the response's GRPO advantage by.
 5. an oracle (``main(oracle=...)`` or ``--oracle MODULE:FUNCTION``): known causal tokens per response,
-   drawn under the scores; e.g. the chain_sum testbed's ``verl_oar.testbed.chain_sum:heatmap_oracle``.
+   drawn under the scores; e.g. the pick_max testbed's ``verl_oar.testbed.pick_max:heatmap_oracle``.
 
 Departures from a training step, stated:
 
@@ -312,7 +312,7 @@ def load_oracle(spec: str) -> Oracle:
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise HeatmapInputError(f"--oracle {spec!r}: give MODULE:FUNCTION, e.g. "
-                                "verl_oar.testbed.chain_sum:heatmap_oracle")
+                                "verl_oar.testbed.pick_max:heatmap_oracle")
     try:
         oracle = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as err:
@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     method.add_argument("--seed", type=int, default=0, help="seed of OAR-G's embedding noise")
     method.add_argument("--oracle", metavar="MODULE:FUNCTION",
                         help="also draw an oracle's masks of known causal tokens, oracle(response_ids, tokenizer) -> "
-                             "{name: [bool]*T} or None; e.g. verl_oar.testbed.chain_sum:heatmap_oracle")
+                             "{name: [bool]*T} or None; e.g. verl_oar.testbed.pick_max:heatmap_oracle")
     method.add_argument("--answer-locator", default="", metavar="SPEC",
                         help="the run's algorithm.oar.answer_locator (pkg://module.function or file.py:function); "
                              "default: the built-in")

@@ -1,0 +1,65 @@
+"""The methods the testbed compares: one :class:`Method` entry each, in :data:`METHODS`.
+
+Adding a method to the demo, its report and its committed results is one entry here: the demo
+trains it (``training_runs``), the summary measures it (``comparison``), the report draws it
+(``report``) in its colour, and the credit measures read its dumped token signal (``credit``).
+Every method's run differs from GRPO's only in ``algorithm.*`` overrides (a test checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["BASELINE", "METHODS", "Method", "method"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One credit-assignment method as the testbed runs it."""
+
+    name: str
+    """``algorithm.adv_estimator``, and the method's key in summaries"""
+    label: str
+    """for figures and tables"""
+    color: str
+    algorithm: Callable[[int, int], list[str]]
+    """(seed, neutral token id) -> the run's ``algorithm.*`` overrides beyond the estimator"""
+    signal: str | None = None
+    """the per-token field of the run's dumps ranked for recall@10% of the oracle (None: no token signal)"""
+    dump: Callable[[str], list[str]] | None = None
+    """directory -> the overrides that make the run dump its token tensors each step (None: no dumps;
+    the method's credit is uniform over a response by construction)"""
+
+
+def _oar_dump(directory: str) -> list[str]:
+    return [f"+algorithm.oar.dump_dir={directory}"]
+
+
+def _oar_g(seed: int, neutral_id: int) -> list[str]:
+    return [f"+algorithm.oar.seed={seed}"]
+
+
+def _oar_p(seed: int, neutral_id: int) -> list[str]:
+    # exact mode: one occluded copy per reasoning token (the paper's definition); a space occludes
+    # (in-distribution between filler words, carries no digit; see testbed.quality)
+    return [f"+algorithm.oar.seed={seed}", "+algorithm.oar.perturb_mode=exact", f"+algorithm.oar.perturb_token_id={neutral_id}"]
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("grpo", "GRPO", "#555555", lambda seed, neutral_id: []),
+        Method("oar_g", "OAR-G", "#1f77b4", _oar_g, signal="oar_importance", dump=_oar_dump),
+        Method("oar_p", "OAR-P", "#d62728", _oar_p, signal="oar_importance", dump=_oar_dump),
+    )
+}
+BASELINE = "grpo"
+"""every comparison is paired against this method's run of the same seed"""
+
+
+def method(name: str) -> Method:
+    """The entry of ``name``; a clear error naming the known methods otherwise."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; the testbed knows {', '.join(METHODS)} (verl_oar/testbed/methods.py)")
+    return METHODS[name]
