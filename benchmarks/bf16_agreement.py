@@ -23,13 +23,12 @@ Targets (issue 11): top-10% overlap >= 0.8 and |recall_bf16 - recall_fp32| <= 0.
 
 The committed results_bf16_agreement_cpu.json were measured on the first edition of the testbed
 (chain_sum, issue 11, its ``direct`` oracle); the script now builds the second edition (pick_max), whose
-builds take about 12 minutes each on 2 cores, and has not been re-run on it.
+builds take about 7 minutes each on 2 cores, and has not been re-run on it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -115,7 +114,7 @@ def measure_testbed(seed: int, layers: int, samples: int, workdir: Path) -> dict
                                max_new_tokens=max_response_tokens(spec))
     batch, skipped = make_batch(sampled, [str(r["reward_model"]["ground_truth"]) for r in rows], tokenizer)
     neutral_id = tokenizer.encode(" ", add_special_tokens=False)[0]
-    reasoning, direct, found = batch.oracle["reasoning"], batch.oracle["causal"], batch.oracle["found"]
+    reasoning, causal, found = batch.oracle["reasoning"], batch.oracle["causal"], batch.oracle["found"]
     out = {"seed": seed, "layers": layers, "responses": int(batch.ids.shape[0]), "skipped": skipped,
            "mean_reasoning_tokens": float(reasoning.sum(1).float().mean()), "estimators": {}}
     for name in ESTIMATORS:
@@ -134,7 +133,7 @@ def measure_testbed(seed: int, layers: int, samples: int, workdir: Path) -> dict
             overlaps.append(top_overlap(a[row], b[row], cand, seed + 3))
         recall = {}
         for label, scores in (("fp32", a), ("bf16", b)):
-            summary = mean_recall(scores, reasoning, direct, found, [FRAC], torch.Generator().manual_seed(seed + 3))
+            summary = mean_recall(scores, reasoning, causal, found, [FRAC], torch.Generator().manual_seed(seed + 3))
             recall[label] = summary.recall[FRAC]
         out["estimators"][name] = {
             "spearman": sum(rhos) / len(rhos) if rhos else float("nan"),

@@ -72,14 +72,17 @@ def test_comparison_on_hand_checked_runs(monkeypatch):
     assert grpo["per_seed"]["auc"] == pytest.approx([0.4, 0.5])       # (.3*2 + .5*2) / 4, (.4*2 + .6*2) / 4
     assert grpo["per_seed"]["step_seconds"] == [2.0, 2.0]              # step 1 (warm-up) left out
     assert oar["per_seed"]["gain"] == pytest.approx([0.8, 0.0])
-    # paired by seed, not by position: oar seed 1 (2 steps) - grpo seed 1 (2), oar seed 0 (5) - grpo seed 0 (3)
     assert oar["vs_baseline"]["steps_to_threshold"]["estimate"] == pytest.approx(1.0)
     assert oar["vs_baseline"]["step_seconds"]["estimate"] == pytest.approx(1.0)
     assert grpo["vs_baseline"]["auc"]["estimate"] == 0.0
+    # paired by seed, not by position: oar seed 1 (2 steps) - grpo seed 1 (2) = 0, oar seed 0 (5) - grpo
+    # seed 0 (3) = 2; by position the differences would be -1 and 3
     low, high = oar["vs_baseline"]["steps_to_threshold"]["low"], oar["vs_baseline"]["steps_to_threshold"]["high"]
     assert low == pytest.approx(0.0) and high == pytest.approx(2.0)   # resamples of the per-seed diffs {0, 2}
     # variance: per step over seeds (window 1) of the rewards, averaged: grpo 0, .02, 0, 0 -> .005
     assert grpo["variance"]["estimate"] == pytest.approx(0.02 / 4)
+    one_seed = comparison.compare({"grpo": runs["grpo"][:1]}, "grpo")["methods"]["grpo"]
+    assert one_seed["variance"]["estimate"] is None and one_seed["mean"]["auc"]["low"] is None   # no NaN
     with pytest.raises(ValueError, match="baseline"):
         comparison.compare({"oar_g": runs["oar_g"]}, "grpo")
 
@@ -92,25 +95,27 @@ def test_credit_concentration_and_recall_from_a_hand_made_dump(tmp_path):
 
     tok = build_tokenizer()
     text = "ab 7 cd 5 ef \\boxed{75}"
-    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
-    width = len(ids) + 3
-    responses = torch.full((3, width), tok.pad_token_id)
-    mask = torch.zeros(3, width, dtype=torch.long)
-    for r in range(3):
+    texts = [text, text, text, "ab 7 cd 5 ef", "ab cd \\boxed{75}", "75\\boxed{75}"]
+    rows = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
+    width = max(map(len, rows)) + 3
+    responses = torch.full((len(rows), width), tok.pad_token_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, ids in enumerate(rows):
         responses[r, : len(ids)], mask[r, : len(ids)] = torch.tensor(ids), 1
-    advantages = torch.ones(3, width) * 0.5
+    advantages = torch.ones(len(rows), width) * 0.5
     picks = [text.index("7"), text.index("5")]
     advantages[0, picks] = 2.0          # 4x the other reasoning tokens
-    advantages[1] = 0.0                  # a group with one reward: skipped
-    importance = torch.zeros(3, width)
+    advantages[1] = 0.0                  # a group with one reward: skipped, counted
+    importance = torch.zeros(len(rows), width)
     importance[0, picks[0]] = 1.0        # top 10% of 13 reasoning tokens = 2 tokens: one of the two picks
     importance[0, 0] = 0.5
+    real = torch.tensor([True, True, False, True, True, True])   # row 2: verl's padding row
     torch.save({"responses": responses, "response_mask": mask, "advantages": advantages, "oar_importance": importance,
-                "real_rows": torch.tensor([True, True, False])}, tmp_path / "step_1.pt")
+                "real_rows": real}, tmp_path / "step_1.pt")
     credit = run_credit(tmp_path, tok, "oar_importance")
-    assert credit.concentrations == [pytest.approx(4.0)] and credit.responses == 2
-    assert credit.skipped == {"no_answer": 0, "zero_advantage": 1, "no_causal": 0}
-    assert credit.recalls[0] == 0.5 and credit.steps == 1
+    assert credit.concentrations == [pytest.approx(4.0)] and credit.responses == 5 and credit.steps == 1
+    assert credit.skipped == {"no_answer": 1, "zero_advantage": 1, "no_causal": 1, "no_other": 1}
+    assert credit.recalls[:1] == [0.5] and len(credit.recalls) == 3   # rows with causal tokens: 0, 1, 5
     reasoning = torch.ones(4, dtype=torch.bool)
     assert concentration(torch.ones(4), torch.tensor([True, False, False, False]), reasoning) == 1.0
     assert concentration(torch.ones(4), torch.zeros(4, dtype=torch.bool), reasoning) is None
@@ -121,7 +126,7 @@ def test_methods_registry_and_readme_table_from_the_committed_results():
     from pathlib import Path
 
     from verl_oar.testbed.methods import BASELINE, METHODS, method
-    from verl_oar.testbed.report import comparison_table_markdown
+    from verl_oar.testbed.report import readme_section
 
     assert BASELINE in METHODS and all(m.name == k for k, m in METHODS.items())
     with pytest.raises(ValueError, match="testbed knows"):
@@ -130,9 +135,9 @@ def test_methods_registry_and_readme_table_from_the_committed_results():
     results = json.loads((root / "benchmarks" / "results_testbed_long_run_cpu.json").read_text())
     assert results["machine"]["cpu"] and results["machine"]["torch"]
     assert len(results["seeds"]) >= 5 and set(results["methods"]) == set(METHODS)
-    table = comparison_table_markdown(results)
-    assert table in (root / "README.md").read_text(), ("README's results table is stale: render it with "
-        "python -m verl_oar.testbed.report --readme benchmarks/results_testbed_long_run_cpu.json")
+    for part in readme_section(results).split("\n\n"):
+        assert part in (root / "README.md").read_text(), ("README's testbed results are stale: render them with "
+            "python -m verl_oar.testbed.report --readme benchmarks/results_testbed_long_run_cpu.json")
 
 
 # ---------------------------------------------------------------------------------------------------

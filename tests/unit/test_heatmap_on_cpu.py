@@ -173,7 +173,7 @@ def test_oracle_is_a_callback(model_dir, tmp_path):
 def test_rollouts_parquet_chat_prompt(model_dir, loaded, tmp_path, capsys):
     """verl's RL parquet: the prompt is a message list; a row with no answer is reported and skipped."""
     _, tokenizer = loaded
-    prompts = ["sum: 3 7 2", "sum: 1 1", "sum: 4 5"]
+    prompts = ["max: 3 7 | 2 5", "max: 1 2", "max: 4 3"]
     responses = [RESPONSE, "abc 1 def no box", "xyz 4 uvw \\boxed{4}"]
     path = tmp_path / "rollouts.parquet"
     pd.DataFrame({"prompt": [[{"role": "user", "content": p}] for p in prompts], "response": responses,

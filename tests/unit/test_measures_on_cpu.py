@@ -16,7 +16,6 @@ from verl_oar.testbed.measures import (
     bootstrap,
     curve_auc,
     paired_bootstrap,
-    run_variance,
     steps_to_threshold_censored,
 )
 
@@ -48,12 +47,6 @@ def test_curve_auc_on_hand_checked_curves():
         curve_auc([(0, 0.2), (10, 0.4), (5, 0.5)])
     with pytest.raises(ValueError, match="no .*points"):
         curve_auc([])
-
-
-def test_run_variance():
-    assert run_variance([1.0, 2.0, 3.0, 4.0]) == pytest.approx(5 / 3)  # deviations 1.5,.5,.5,1.5 -> 5/3
-    assert math.isnan(run_variance([0.4]))
-    assert math.isnan(run_variance([]))
 
 
 def reference(method, baseline, statistic, resamples, seed, level):

@@ -129,3 +129,11 @@ def test_quality_cli(tmp_path, capsys):
 def test_quality_cli_refuses_a_folder_without_a_testbed(tmp_path):
     with pytest.raises(SystemExit, match="no pick_max testbed"):
         main(["--testbed", str(tmp_path), "--samples", "2"])
+
+
+def test_a_missing_committed_testbed_names_the_restore_and_rebuild_commands(tmp_path, monkeypatch):
+    from verl_oar.testbed import workspace
+
+    monkeypatch.setattr(workspace, "COMMITTED", tmp_path / "start")
+    with pytest.raises(FileNotFoundError, match="git checkout.*python -m verl_oar.testbed.workspace"):
+        workspace.committed_testbed()

@@ -82,7 +82,7 @@ class GradientConfig:
     """Scale each token's noise by the RMS of its own embedding, sqrt(mean_h e_{t,h}^2), so that
     sigma is a noise-to-signal ratio: the same value means the same perturbation on any model and
     dtype (an absolute 1e-3 is 5% of a 0.02-RMS embedding but 0.1% of a 1.0-RMS one). The default
-    (relative, 0.2) was chosen by measurement: on the testbed's warm-started models, 2 and 4 layers,
+    (relative, 0.2) was chosen by measurement: on the first testbed's warm-started models, 2 and 4 layers,
     3 seeds each, it is the smallest of the relative scales 0.01 / 0.05 / 0.1 / 0.2 whose bf16
     importance meets the agreement target with fp32 on every seed (top-10% overlap >= 0.8, recall@10%
     within 0.05), where the reference's absolute 1e-3 misses it at 4 layers (overlap 0.79);

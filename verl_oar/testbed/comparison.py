@@ -6,9 +6,11 @@ Per run (one method, one seed):
 - ``steps_to_threshold``: first step whose 3-step trailing mean of the training reward (= accuracy
   of the step's 64 sampled responses) reaches :data:`THRESHOLD`; a run that never does counts as
   steps + 1 (censored, flagged);
-- ``auc``: area under the held-out greedy accuracy curve (validation points, step 0 included) over
-  the steps, divided by the steps: the mean held-out accuracy over training;
-- ``final``: held-out greedy accuracy after the last step; ``gain``: final minus step 0;
+- ``auc``: area under the held-out greedy accuracy curve (trapezoid over the validation points, step 0
+  and the last step included: verl validates before training and after the last step) divided by
+  the steps between the first and the last point: the mean held-out accuracy over training;
+- ``final``: held-out greedy accuracy at the last validation (after the last step); ``gain``: final
+  minus the first (step 0);
 - ``step_seconds``: median wall-clock seconds per training step (steps 2.., step 1 warms up).
 
 Per method: the mean over seeds of each, with a bootstrap 95% interval over seeds, and its paired
@@ -54,6 +56,8 @@ def run_measures(run: Mapping) -> dict:
 
 
 def _curve_variance(curves: Sequence[Sequence[float]]) -> float:
+    if len(curves) < 2:  # the bootstrap counts this resample as skipped; one seed: no estimate
+        raise statistics.StatisticsError("run-to-run variance needs at least 2 seeds")
     return dynamics.run_variance(list(curves), WINDOW)
 
 

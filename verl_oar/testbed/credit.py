@@ -7,9 +7,9 @@ Per response of every dumped step (real rows only; the oracle read from the resp
   the mean over its non-causal reasoning tokens. GRPO gives every token of a response the same
   advantage, so it is 1 by construction; above 1 the method put more credit on the tokens the
   answer depends on. Responses whose advantage is 0 (a group with one reward) or that have no causal
-  or no non-causal reasoning token are skipped and counted.
+  or no non-causal reasoning token are skipped and counted (``RunCredit.skipped``).
 - **recall@10%** of the method's token signal (``Method.signal``, e.g. ``oar_importance``): the share of
-  the oracle-causal tokens among the top 10% of reasoning tokens by signal
+  the oracle-causal tokens that rank among the top 10% of reasoning tokens by signal
   (``importance_quality.recall_at``, ties broken by a seeded generator).
 
 A run is summarised by the median concentration over its responses and the mean recall.
@@ -56,7 +56,8 @@ class RunCredit:
     recalls: list[float] = field(default_factory=list)
     """recall@10% of the signal, one per response with an oracle"""
     responses: int = 0
-    skipped: dict[str, int] = field(default_factory=lambda: {"no_answer": 0, "zero_advantage": 0, "no_causal": 0})
+    skipped: dict[str, int] = field(default_factory=lambda: {"no_answer": 0, "zero_advantage": 0, "no_causal": 0,
+                                                             "no_other": 0})
     steps: int = 0
 
     @property
@@ -92,12 +93,16 @@ def run_credit(dump_dir: Path, tokenizer: Any, signal: str | None, *, seed: int 
             if masks is None:
                 out.skipped["no_answer"] += 1
                 continue
+            causal = masks.causal & masks.reasoning
             value = concentration(advantages[row, positions], masks.causal, masks.reasoning)
-            if value is None:
-                causal_present = bool((masks.causal & masks.reasoning).any())
-                out.skipped["zero_advantage" if causal_present else "no_causal"] += 1
-            else:
+            if value is not None:
                 out.concentrations.append(value)
+            elif not causal.any():
+                out.skipped["no_causal"] += 1
+            elif not (masks.reasoning & ~causal).any():
+                out.skipped["no_other"] += 1
+            else:
+                out.skipped["zero_advantage"] += 1
             if signal is not None and bool((masks.causal & masks.reasoning).any()):
                 scores = dump[signal][row, positions].float()
                 out.recalls.append(recall_at(scores, masks.reasoning, masks.causal & masks.reasoning, [RECALL_FRAC],

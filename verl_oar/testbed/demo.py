@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -60,8 +61,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--val-prompts", type=int, default=RunSettings.val_prompts, help="held-out prompts validated greedily")
     p.add_argument("--val-every", type=int, default=RunSettings.val_every,
                    help="validate every N steps (0: before and after training only)")
-    p.add_argument("--quality-samples", type=int, default=32, help="sampled responses scored by every estimator")
-    p.add_argument("--fracs", default="0.05,0.1,0.2,0.3,0.5", help="top-K%% fractions for recall and the counterfactual")
+    p.add_argument("--quality-samples", type=int, default=16, help="sampled responses scored by every estimator")
+    p.add_argument("--fracs", default="0.05,0.1,0.3", help="top-K%% fractions for recall and the counterfactual")
     p.add_argument("--run-timeout", type=float, default=None, help="stop a training run after this many seconds")
     args = p.parse_args(argv)
     args.seed_list = _ints(args.seeds)
@@ -74,8 +75,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--methods must include {BASELINE}: every measure is paired with its run of the same seed")
     if not args.seed_list or len(set(args.seed_list)) != len(args.seed_list):
         p.error("--seeds: give distinct integers, e.g. 0,1,2")
-    if args.steps < 1 or args.quality_samples < 1 or args.val_every < 0:
-        p.error("--steps and --quality-samples must be >= 1, --val-every >= 0")
+    if args.steps < 1 or args.quality_samples < 1 or args.val_every < 0 or args.batch_size < 1 or args.val_prompts < 1:
+        p.error("--steps, --batch-size, --val-prompts and --quality-samples must be >= 1, --val-every >= 0")
+    if args.n < 2:
+        p.error("--n must be >= 2: a GRPO group of one response has advantage 0 on every token")
     if not all(0 < f <= 1 for f in args.frac_list) or 0.1 not in args.frac_list:
         p.error("--fracs: every value must be in (0, 1], and 0.1 among them (the report's recall@10%)")
     return args
@@ -143,10 +146,9 @@ def same_response_weights(runs: Sequence[Run], tokenizer, count: int) -> list[di
         if not all(seq in index[m] for m in loaded):
             continue
         rows = {}
-        for name in (m for m in (r.method for r in runs if r.seed == seed)):
+        for name in (r.method for r in runs if r.seed == seed):
             if name in loaded:
-                row = index[name][seq]
-                rows[name] = loaded[name]["weights"][row, : len(seq)].tolist()
+                rows[name] = loaded[name]["weights"][index[name][seq], : len(seq)].tolist()
             else:
                 rows[name] = [1.0] * len(seq)  # no token signal: the same advantage on every token
         examples.append({
@@ -254,12 +256,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "seconds": None,
     }
     summary["seconds"] = round(time.time() - start, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary = finite_json(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     index = write_report(out, summary)
     for line in headline(summary):
         _log("    " + line)
     _log(f"done in {summary['seconds']:.0f} s: open {index}")
     return summary
+
+
+def finite_json(value):
+    """``value`` with every NaN or infinite float replaced by None (strict JSON; the report reads None
+    as "not measured")."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def _quartiles(values: Sequence[float]) -> dict:

@@ -5,7 +5,6 @@ seeds, with bootstrap 95% intervals. Plain Python, standard library only.
   per-step training reward; a run that never gets there counts as ``len(curve) + 1`` and is flagged.
 - *Held-out AUC*: trapezoid area under (step, accuracy) points over ``last - first`` step, i.e. the
   mean accuracy level over training, in the units of accuracy.
-- *Run-to-run variance*: sample variance over seeds (e.g. of final held-out accuracy).
 - *Paired bootstrap*: seeds are paired (index i of both lists is one seed). Each resample draws n
   indices with replacement (``rng.randrange(n)`` n times, ``rng = random.Random(seed)``, resamples in
   order) and takes ``statistic(method[idx]) - statistic(baseline[idx])``. With the R used resampled
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 from verl_oar.testbed.dynamics import steps_to_threshold
 
-__all__ = ["Interval", "bootstrap", "curve_auc", "paired_bootstrap", "run_variance", "steps_to_threshold_censored"]
+__all__ = ["Interval", "bootstrap", "curve_auc", "paired_bootstrap", "steps_to_threshold_censored"]
 
 Statistic = Callable[[Sequence[float]], float]
 
@@ -52,11 +51,6 @@ def curve_auc(points: Sequence[tuple[int, float]]) -> float:
         return float(points[0][1])
     area = sum((a0 + a1) / 2 * (s1 - s0) for (s0, a0), (s1, a1) in zip(points, points[1:]))
     return area / (points[-1][0] - points[0][0])
-
-
-def run_variance(values: Sequence[float]) -> float:
-    """Sample variance over seeds (``statistics.variance``); NaN for fewer than 2 values."""
-    return statistics.variance(values) if len(values) >= 2 else math.nan
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ class Batch:
 
 
 def make_batch(samples: Sequence[tuple[list[int], list[int]]], truths: Sequence[str], tokenizer) -> tuple[Batch, int]:
-    """Keep the samples with an oracle (a readable trace, non-empty reasoning and answer) as a Batch;
+    """Keep the samples with an oracle (a boxed answer, non-empty reasoning and answer) as a Batch;
     return it and the number skipped."""
     width = max(len(r) for _, r in samples)
     responses = torch.full((len(samples), width), tokenizer.pad_token_id, dtype=torch.long)

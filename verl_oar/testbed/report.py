@@ -2,7 +2,7 @@
 console headline, the plain-language summary and README's results table -- all from the numbers.
 
     python -m verl_oar.testbed.report DIR              # re-render DIR/index.html from DIR/summary.json
-    python -m verl_oar.testbed.report --readme FILE    # print README's results table from a summary JSON
+    python -m verl_oar.testbed.report --readme FILE    # print README's results (paragraph, tables) from a summary JSON
 
 Figures (file names in the report folder):
 
@@ -156,9 +156,11 @@ def plot_credit(summary: dict, path: Path) -> None:
     for i, m in enumerate(methods):
         q = summary["concentration_quartiles"].get(m, {})
         runs = summary["runs"][m]
-        if not q.get("responses"):  # no dumps: uniform credit by construction
+        if _uniform(m):  # no token signal: uniform credit by construction
             ax.plot([i], [1.0], "s", color=_color(m), ms=8)
             ax.annotate("1 by construction", (i, 1.0), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+            continue
+        if not q.get("responses"):
             continue
         ax.errorbar([i], [q["median"]], yerr=[[q["median"] - q["q25"]], [q["q75"] - q["median"]]], fmt="s",
                     color=_color(m), capsize=5, ms=8)
@@ -288,20 +290,26 @@ def plain_summary(summary: dict) -> str:
             continue
         d = _diffs(summary, m)
         verdicts = {name: _verdict(d.get(name), name in ("steps_to_threshold", "step_seconds", "variance"))
-                    for name in ("steps_to_threshold", "auc", "final", "variance", "step_seconds")}
+                    for name in ("steps_to_threshold", "auc", "variance", "step_seconds")}
         conc = summary["concentration_quartiles"].get(m, {}).get("median")
         parts.append(
             f"{_label(m)} vs {_label(base)}: steps to reward {comp['threshold']} {_interval(d.get('steps_to_threshold'), 1)} "
             f"({verdicts['steps_to_threshold']}), held-out AUC {_interval(d.get('auc'))} ({verdicts['auc']}), "
             f"run-to-run variance {_interval(d.get('variance'), 4)} ({verdicts['variance']}), seconds per step "
-            f"{_interval(d.get('step_seconds'), 1)} ({verdicts['step_seconds']}); it put {_fmt(conc)}x more |advantage| "
-            "per token on the causal tokens than on the others (median response; GRPO: 1)."
+            f"{_interval(d.get('step_seconds'), 1)} ({verdicts['step_seconds']}); "
+            + (f"per token, it gave the causal tokens {_fmt(conc)} times the |advantage| of the others (median "
+               "response; GRPO: 1)." if not _nan(conc) else "its credit concentration was not measured.")
         )
     if seeds < 5:
         parts.append(f"With {seeds} seed{'s' if seeds != 1 else ''} the intervals are wide or absent: this run shows the "
                      "pipeline and the credit each method assigns, not whether one method learns faster; "
                      "README's long run (5 seeds) is the comparison.")
     return " ".join(parts)
+
+
+def _uniform(method: str) -> bool:
+    """A method without dumps gives every token of a response the same advantage (GRPO)."""
+    return method in METHODS and METHODS[method].dump is None
 
 
 def _mean(values):
@@ -329,11 +337,33 @@ def comparison_table_markdown(summary: dict) -> str:
                 cell += f"<br>diff {_interval(diffs.get(c), digits.get(c, 2))}"
             cells.append(cell)
         q = summary["concentration_quartiles"].get(m, {})
-        conc = "1 (by construction)" if not q.get("responses") else f"{_fmt(q['median'])} (IQR {_fmt(q['q25'])}-{_fmt(q['q75'])})"
+        conc = ("1 (by construction)" if _uniform(m) else "n/a" if not q.get("responses")
+                else f"{_fmt(q['median'])} (IQR {_fmt(q['q25'])}-{_fmt(q['q75'])})")
         recalls = [r["credit"]["mean_recall_at_10"] for r in summary["runs"][m] if r.get("credit")]
         recall = _fmt(_mean(recalls)) if recalls else "n/a"
         lines.append(f"| {_label(m)} | " + " | ".join(cells) + f" | {conc} | {recall} |")
     return "\n".join(lines)
+
+
+def quality_table_markdown(summary: dict) -> str:
+    """README's importance-quality table: per estimator, recall@K% of the causal tokens and the
+    answer-flip rate when its top 10% is occluded, on the starting model."""
+    q = summary["quality"]
+    fracs = [f for f in q["config"]["fracs"] if f in (0.05, 0.1, 0.3)]
+    head = "| estimator | " + " | ".join(f"recall@{100 * f:g}%" for f in fracs) + " | answer flip, top 10% occluded |"
+    lines = [head, "|" + "---|" * (len(fracs) + 2)]
+    for name, row in q["estimators"].items():
+        label = ESTIMATOR_STYLE.get(name, (name,))[0]
+        cells = " | ".join(_fmt(row["recall"]["causal"][str(f)]) for f in fracs)
+        lines.append(f"| {label} | {cells} | {_fmt(row['answer_flip'].get('0.1'))} |")
+    random_row = " | ".join(_fmt(q["expected_random_recall"][str(f)]) for f in fracs)
+    lines.append(f"| E[random] | {random_row} | |")
+    return "\n".join(lines)
+
+
+def readme_section(summary: dict) -> str:
+    """What README's "Testbed results" shows of a summary: the generated paragraph and both tables."""
+    return "\n\n".join([plain_summary(summary), comparison_table_markdown(summary), quality_table_markdown(summary)])
 
 
 def headline(summary: dict) -> list[str]:
@@ -407,7 +437,7 @@ space and greedily re-decode the answer. Sampled accuracy {_fmt(s['sampled_accur
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["--readme"]:
-        print(comparison_table_markdown(json.loads(Path(args[1]).read_text())))
+        print(readme_section(json.loads(Path(args[1]).read_text())))
         raise SystemExit(0)
     from verl_oar.tools.heatmap_render import MissingMatplotlib, require_matplotlib
 

@@ -47,7 +47,8 @@ VAL_REWARD = "val-core/verl_oar/pick_max/acc/mean@1"
 class RunSettings:
     """What the demo's flags change; the rest of a run's configuration is fixed (module docstring)."""
 
-    steps: int = 12
+    steps: int = 10
+    """the demo's default: GRPO gains >= 20 held-out points by step 8 on every seed of the long run"""
     batch_size: int = 8
     """prompts per step"""
     n: int = 8
@@ -60,10 +61,10 @@ class RunSettings:
 
 
 def method_overrides(name: str, seed: int, neutral_id: int, dump_dir: Path | None = None) -> list[str]:
-    """``algorithm.*`` overrides of a method (its ``testbed.methods`` entry); with ``dump_dir``, also
+    """``algorithm.*`` overrides of a method beyond its estimator (its ``testbed.methods`` entry); with ``dump_dir``, also
     those that make it dump its token tensors there (methods with a token signal)."""
-    entry = method(name)
-    out = [f"algorithm.adv_estimator={entry.name}", *entry.algorithm(seed, neutral_id)]
+    entry = method(name)  # ``cpu_overrides`` sets the estimator itself (``algorithm.adv_estimator``)
+    out = list(entry.algorithm(seed, neutral_id))
     if dump_dir is not None and entry.dump is not None:
         out += entry.dump(str(dump_dir))
     return out

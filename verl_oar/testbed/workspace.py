@@ -330,6 +330,8 @@ def _is_right(text: str, problem: PickMaxProblem) -> bool:
 
 def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None, *, force: bool = False) -> Testbed:
     """Build (or reuse, same fingerprint) the pick_max testbed in ``directory``; return its paths."""
+    import torch
+
     spec = spec or TestbedSpec()
     root = Path(directory).expanduser().resolve()
     fingerprint = spec.fingerprint()
@@ -355,6 +357,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
             model = new_tiny_model(spec, tokenizer)
             warm = warm_start(model, tokenizer, train, spec)
             stats = sample_statistics(model, tokenizer, val[: spec.stats_samples], spec)
+            warm["torch_threads"] = torch.get_num_threads()
         _log(f"warm start: {warm}; on {stats['samples']} val prompts: {stats}")
         save_model_dir(model, tokenizer, root / "model")
 
@@ -401,8 +404,9 @@ def copy_testbed(source: Testbed, directory: str | os.PathLike) -> Testbed:
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Rebuild the pick_max testbed (the committed one: "
-                                                 "python -m verl_oar.testbed.workspace verl_oar/testbed/start --force)")
+    parser = argparse.ArgumentParser(description="Rebuild the pick_max testbed (the committed one, on one torch "
+                                                 "thread: OMP_NUM_THREADS=1 python -m verl_oar.testbed.workspace "
+                                                 "verl_oar/testbed/start --force)")
     parser.add_argument("directory")
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical testbed exists")
     args = parser.parse_args()
