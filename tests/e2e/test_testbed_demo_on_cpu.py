@@ -21,7 +21,7 @@ def _png_ok(path: Path) -> bool:
 def test_shortened_demo_trains_every_method_and_produces_every_figure_from_its_runs(tiny_bed, tmp_path, capsys):
     from verl_oar.cpu.workspace import build_tokenizer
     from verl_oar.testbed.credit import run_credit
-    from verl_oar.testbed.demo import main
+    from verl_oar.testbed.demo import main, resummarize
     from verl_oar.testbed.methods import METHODS
     from verl_oar.testbed.training_runs import REWARD, VAL_REWARD, read_records, train_records
 
@@ -58,3 +58,7 @@ def test_shortened_demo_trains_every_method_and_produces_every_figure_from_its_r
     assert summary["comparison"]["methods"]["oar_g"]["vs_baseline"]["auc"]["low"] is None   # one seed: no interval
     logged = capsys.readouterr().out
     assert "oar_p/seed0: step 2/2" in logged and "open " in logged
+    # recomputing the measures from the folder's files gives the same summary, strict JSON
+    written = json.loads((out / "summary.json").read_text())
+    resummarize(out)
+    assert json.loads((out / "summary.json").read_text()) == written

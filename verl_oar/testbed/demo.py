@@ -18,6 +18,8 @@ In order, each printing progress:
 
 Nothing in the report is typed in by hand: it is rendered from ``summary.json``, which this command
 writes from the run it just made; the seeds, the command line and the machine are in both.
+``python -m verl_oar.testbed.demo --resummarize DIR`` recomputes a finished folder's measures from its
+metric files and dumps with the current code (e.g. after a fix to a measure), without training again.
 """
 
 from __future__ import annotations
@@ -185,11 +187,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         raise SystemExit(f"verl_oar.testbed.demo: {error}") from None
     from verl_oar.cpu.overrides import RAY_ADDRESS_ENV
     from verl_oar.cpu.ray_cluster import SharedRayCluster
-    from verl_oar.cpu.workspace import build_tokenizer
-    from verl_oar.testbed.comparison import compare
     from verl_oar.testbed.machine import machine_info
     from verl_oar.testbed.quality import load_testbed, run_quality
-    from verl_oar.testbed.report import headline, write_report
 
     start = time.time()
     out = args.out.expanduser().resolve()
@@ -232,13 +231,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
             cluster.stop()
 
     _log("4/4 summary and report")
-    tokenizer = build_tokenizer()
-    per_method: dict[str, list[dict]] = {m: [] for m in args.method_list}
-    concentrations: dict[str, list[float]] = {m: [] for m in args.method_list}
-    for run in runs:
-        credit, values = credit_of(run, tokenizer)
-        per_method[run.method].append(run_summary(run, credit))
-        concentrations[run.method] += values
     summary = {
         "command": command,
         "seeds": args.seed_list,
@@ -248,21 +240,68 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "testbed": {"source": str(source.root), "spec": bed.manifest["spec"], "warm_start": bed.manifest["warm_start"],
                     "val_samples": warm, "num_parameters": bed.manifest["num_parameters"],
                     "built_on": bed.manifest.get("machine")},
+        **measured(runs, args.method_list),
+        "quality": q,
+        "seconds": round(time.time() - start, 1),
+    }
+    index = write_summary_and_report(out, summary)
+    _log(f"done in {summary['seconds']:.0f} s: open {index}")
+    return summary
+
+
+def measured(runs: Sequence[Run], methods: Sequence[str]) -> dict:
+    """The summary's parts computed from the runs' files: "runs" (curves and credit per method),
+    "comparison", "concentration_quartiles", "same_response"."""
+    from verl_oar.cpu.workspace import build_tokenizer
+    from verl_oar.testbed.comparison import compare
+
+    tokenizer = build_tokenizer()
+    per_method: dict[str, list[dict]] = {m: [] for m in methods}
+    concentrations: dict[str, list[float]] = {m: [] for m in methods}
+    for run in runs:
+        credit, values = credit_of(run, tokenizer)
+        per_method[run.method].append(run_summary(run, credit))
+        concentrations[run.method] += values
+    return {
         "runs": per_method,
         "comparison": compare(per_method, BASELINE),
         "concentration_quartiles": {m: _quartiles(v) for m, v in concentrations.items()},
-        "quality": q,
         "same_response": same_response_weights(runs, tokenizer, 3),
-        "seconds": None,
     }
-    summary["seconds"] = round(time.time() - start, 1)
-    summary = finite_json(summary)
+
+
+def write_summary_and_report(out: Path, summary: dict) -> Path:
+    """Write ``summary.json`` (strict JSON) and the report; print the headline; return the page's path."""
+    from verl_oar.testbed.report import headline, write_report
+
+    summary.update(finite_json(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     index = write_report(out, summary)
     for line in headline(summary):
         _log("    " + line)
-    _log(f"done in {summary['seconds']:.0f} s: open {index}")
-    return summary
+    return index
+
+
+def resummarize(out: Path) -> Path:
+    """Recompute the measured parts of ``out/summary.json`` from the folder's metric files and dumps with
+    this version's code (the runs, their settings, the quality section and the machine are kept)."""
+    from verl_oar.testbed.training_runs import read_records
+
+    out = Path(out).expanduser().resolve()
+    summary = json.loads((out / "summary.json").read_text())
+    runs = []
+    for seed in summary["seeds"]:
+        for name in summary["methods"]:
+            label = f"{name}_seed{seed}"
+            old = next(r for r in summary["runs"][name] if r["seed"] == seed)
+            dump_dir = out / "dumps" / label
+            run = Run(name, seed, [], out / "metrics" / f"{label}.jsonl", out / "logs" / f"{label}.log", cwd=out,
+                      dump_dir=dump_dir if method(name).dump is not None else None, started=0.0,
+                      finished=float(old["seconds"]))
+            run.records = read_records(run.metrics_path)
+            runs.append(run)
+    summary.update(measured(runs, summary["methods"]))
+    return write_summary_and_report(out, summary)
 
 
 def finite_json(value):
@@ -284,4 +323,7 @@ def _quartiles(values: Sequence[float]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--resummarize"]:  # python -m verl_oar.testbed.demo --resummarize DIR
+        print(resummarize(Path(sys.argv[2])))
+    else:
+        main()

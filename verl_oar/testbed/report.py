@@ -289,22 +289,35 @@ def plain_summary(summary: dict) -> str:
         if m == base:
             continue
         d = _diffs(summary, m)
-        verdicts = {name: _verdict(d.get(name), name in ("steps_to_threshold", "step_seconds", "variance"))
-                    for name in ("steps_to_threshold", "auc", "variance", "step_seconds")}
         conc = summary["concentration_quartiles"].get(m, {}).get("median")
+        measures = (("steps_to_threshold", f"steps to reward {comp['threshold']}", 1), ("auc", "held-out AUC", 2),
+                    ("variance", "run-to-run variance", 4), ("step_seconds", "seconds per step", 1))
+        said = []
+        for name, text, digits in measures:
+            iv = d.get(name)
+            if iv is None or _nan(iv.get("estimate")):
+                continue
+            verdict = _verdict(iv, name in ("steps_to_threshold", "step_seconds", "variance"))
+            said.append(f"{text} {_signed(iv, digits)}" + ("" if seeds < 2 else f" ({verdict})"))
         parts.append(
-            f"{_label(m)} vs {_label(base)}: steps to reward {comp['threshold']} {_interval(d.get('steps_to_threshold'), 1)} "
-            f"({verdicts['steps_to_threshold']}), held-out AUC {_interval(d.get('auc'))} ({verdicts['auc']}), "
-            f"run-to-run variance {_interval(d.get('variance'), 4)} ({verdicts['variance']}), seconds per step "
-            f"{_interval(d.get('step_seconds'), 1)} ({verdicts['step_seconds']}); "
-            + (f"per token, it gave the causal tokens {_fmt(conc)} times the |advantage| of the others (median "
-               "response; GRPO: 1)." if not _nan(conc) else "its credit concentration was not measured.")
+            f"{_label(m)} minus {_label(base)}: " + ", ".join(said) + (" (one seed: no intervals)" if seeds < 2 else "")
+            + "; " + (f"per token, it gave the causal tokens {_fmt(conc)} times the |advantage| of the others (median "
+                      "response; GRPO: 1)." if not _nan(conc) else "its credit concentration was not measured.")
         )
     if seeds < 5:
-        parts.append(f"With {seeds} seed{'s' if seeds != 1 else ''} the intervals are wide or absent: this run shows the "
+        parts.append(("With one seed there are no intervals" if seeds == 1 else f"With {seeds} seeds the intervals are wide")
+                     + ": this run shows the "
                      "pipeline and the credit each method assigns, not whether one method learns faster; "
                      "README's long run (5 seeds) is the comparison.")
     return " ".join(parts)
+
+
+def _signed(iv: dict, digits: int) -> str:
+    """``+0.12 [-0.05, +0.20]``: a difference with its interval, signs shown."""
+    text = f"{iv['estimate']:+.{digits}f}"
+    if not _nan(iv.get("low")) and not _nan(iv.get("high")):
+        text += f" [{iv['low']:+.{digits}f}, {iv['high']:+.{digits}f}]"
+    return text
 
 
 def _uniform(method: str) -> bool:
