@@ -29,7 +29,7 @@ import torch
 from verl_oar.testbed.importance_quality import recall_at
 from verl_oar.testbed.pick_max import oracle_token_masks
 
-__all__ = ["RunCredit", "concentration", "run_credit"]
+__all__ = ["RunCredit", "concentration", "run_credit", "summarize"]
 
 RECALL_FRAC = 0.1
 
@@ -111,8 +111,8 @@ def run_credit(dump_dir: Path, tokenizer: Any, signal: str | None, *, seed: int 
 
 
 def summarize(values: Sequence[float]) -> dict:
-    """{"median", "q25", "q75"} of per-response values (NaN when empty), for the report's figure."""
+    """{"median", "q25", "q75", "responses"} of per-response values (NaN when empty), for the report."""
     if not values:
-        return {"median": math.nan, "q25": math.nan, "q75": math.nan}
+        return {"median": math.nan, "q25": math.nan, "q75": math.nan, "responses": 0}
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "q25": q[0], "q75": q[2]}
+    return {"median": statistics.median(values), "q25": q[0], "q75": q[2], "responses": len(values)}

@@ -254,6 +254,7 @@ def measured(runs: Sequence[Run], methods: Sequence[str]) -> dict:
     "comparison", "concentration_quartiles", "same_response"."""
     from verl_oar.cpu.workspace import build_tokenizer
     from verl_oar.testbed.comparison import compare
+    from verl_oar.testbed.credit import summarize
 
     tokenizer = build_tokenizer()
     per_method: dict[str, list[dict]] = {m: [] for m in methods}
@@ -265,7 +266,7 @@ def measured(runs: Sequence[Run], methods: Sequence[str]) -> dict:
     return {
         "runs": per_method,
         "comparison": compare(per_method, BASELINE),
-        "concentration_quartiles": {m: _quartiles(v) for m, v in concentrations.items()},
+        "concentration_quartiles": {m: summarize(v) for m, v in concentrations.items()},
         "same_response": same_response_weights(runs, tokenizer, 3),
     }
 
@@ -315,11 +316,6 @@ def finite_json(value):
         return [finite_json(v) for v in value]
     return value
 
-
-def _quartiles(values: Sequence[float]) -> dict:
-    from verl_oar.testbed.credit import summarize
-
-    return {**summarize(values), "responses": len(values)}
 
 
 if __name__ == "__main__":
