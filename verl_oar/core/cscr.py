@@ -1,0 +1,184 @@
+"""CSCR (Counterfactual Sensitivity Credit Reallocation): GRPO's credit taken from tokens whose
+likelihood the privileged prompts move most, and given back to the rest of the sequence.
+
+Specification: ``../shared/METHODS.md`` section 4.2 (the paper's full text was not public; every
+[GUESS] there is a key of :class:`CSCRConfig`). Per response, over its valid tokens ``t``
+(``T`` of them), with GRPO's sequence advantage ``A``:
+
+1. shifts:       d+_t = log pi(y_t | x + c+, y_<t) - old_log_prob_t,  d-_t likewise under c-
+                 (c+ asserts the response is correct, c- that it is not)
+2. sensitivity:  s_t = max(|d+_t|, |d-_t|)                      (``sensitivity=abs_max``)
+3. attenuation:  w_t = 1 if s_t <= tau, else max(exp(-alpha (s_t - tau)), floor)
+                 tau: an absolute value in nats, or the ``threshold``-quantile of s over the
+                 batch's valid tokens (``threshold_mode=quantile``, default 0.8)
+4. budget:       w~_t = w_t * T / sum_s w_s                      (mean 1 over the valid tokens)
+5. advantage:    A_t = A * w~_t                                  (w~ > 0: the verifier sets the sign)
+
+So ``sum_t A_t = T * A`` (GRPO's credit budget) and ``sign(A_t) = sign(A)`` on every valid token.
+Computed in float64, returned as float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from verl_oar.core.privileged_prompt import CSCR_NEGATIVE, CSCR_POSITIVE, OVERFLOWS, check_template
+
+__all__ = ["CSCRConfig", "CSCRResult", "attenuation_weights", "cscr_advantages", "cscr_stats", "sensitivity"]
+
+SENSITIVITIES = ("abs_max", "max")
+THRESHOLD_MODES = ("quantile", "absolute")
+
+
+@dataclass(frozen=True)
+class CSCRConfig:
+    """Everything CSCR's advantage reads from ``algorithm.cscr`` (METHODS.md 4.2; [GUESS] = not public)."""
+
+    threshold_mode: str = "quantile"
+    """[GUESS] how ``threshold`` is read: ``quantile`` (a level in [0, 1] of the batch's sensitivities)
+    or ``absolute`` (nats)"""
+    threshold: float = 0.8
+    """tau: tokens at or below it keep full credit (quantile level, or nats when absolute)"""
+    alpha: float = 1.0
+    """[GUESS] strength of the exponential down-weighting above tau (the paper: moderate works best)"""
+    floor: float = 0.3
+    """[GUESS] smallest weight before renormalising (0: none); "moderate" down-weighting"""
+    sensitivity: str = "abs_max"
+    """[GUESS] ``abs_max``: max(|d+|, |d-|) (default); ``max``: max(d+, d-), the signed reading"""
+    pos_template: str = CSCR_POSITIVE
+    """[GUESS] c+: the user turn asserting the response's outcome is correct (``core.privileged_prompt``)"""
+    neg_template: str = CSCR_NEGATIVE
+    """[GUESS] c-: the user turn asserting it is incorrect"""
+    overflow: str = "truncate"
+    """a privileged prompt + response longer than the model's context: ``truncate`` the prompt from the
+    left (as verl's agent loop does) or ``skip`` the row (its weights stay 1: GRPO); both counted"""
+
+    def __post_init__(self) -> None:
+        if self.threshold_mode not in THRESHOLD_MODES:
+            raise ValueError(f"algorithm.cscr.threshold_mode={self.threshold_mode!r} is invalid: one of {THRESHOLD_MODES}.")
+        if self.sensitivity not in SENSITIVITIES:
+            raise ValueError(f"algorithm.cscr.sensitivity={self.sensitivity!r} is invalid: one of {SENSITIVITIES}.")
+        for key in ("threshold", "alpha", "floor"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"algorithm.cscr.{key}={value!r} is invalid: a finite number.")
+        if self.threshold_mode == "quantile" and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"algorithm.cscr.threshold={self.threshold} is invalid with threshold_mode=quantile: "
+                             "a quantile level in [0, 1] (or set threshold_mode=absolute for nats).")
+        if self.alpha < 0:
+            raise ValueError(f"algorithm.cscr.alpha={self.alpha} is invalid: >= 0 (0 = plain GRPO).")
+        if not 0.0 <= self.floor <= 1.0:
+            raise ValueError(f"algorithm.cscr.floor={self.floor} is invalid: a weight in [0, 1] (0 = no floor).")
+        check_template(self.pos_template, "algorithm.cscr.pos_template")
+        check_template(self.neg_template, "algorithm.cscr.neg_template")
+        if self.overflow not in OVERFLOWS:
+            raise ValueError(f"algorithm.cscr.overflow={self.overflow!r} is invalid: one of {OVERFLOWS}.")
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "CSCRConfig":
+        """Read ``algorithm.cscr`` (DictConfig or dict); unknown keys are refused with the valid ones."""
+        raw = dict(((algorithm or {}).get("cscr", None) or {}).items())
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - valid)
+        if unknown:
+            raise ValueError(f"Unknown key(s) algorithm.cscr.{', algorithm.cscr.'.join(unknown)}. "
+                             f"Valid keys: {', '.join(sorted(valid))} (docs/algo/cscr.md).")
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CSCRResult:
+    advantages: Tensor
+    """(bs, T) float32: A * w~ on valid tokens, 0 elsewhere"""
+    weights: Tensor
+    """(bs, T) float32: w~ (mean 1 over each row's valid tokens), 0 on padding"""
+    sensitivity: Tensor
+    """(bs, T) float32: s, 0 on padding"""
+    threshold: float
+    """tau in nats (the quantile resolved on this batch)"""
+
+
+def sensitivity(pos_shift: Tensor, neg_shift: Tensor, mask: Tensor, kind: str = "abs_max") -> Tensor:
+    """(bs, T) float64 sensitivity of every token, 0 on padding. ``pos_shift``/``neg_shift``: (bs, T)
+    log-prob shifts in nats under the two conditions."""
+    if pos_shift.shape != neg_shift.shape or pos_shift.shape != mask.shape:
+        raise ValueError(f"CSCR: shifts {tuple(pos_shift.shape)}, {tuple(neg_shift.shape)} and mask "
+                         f"{tuple(mask.shape)} must have one (bs, T) shape")
+    pos, neg = pos_shift.double(), neg_shift.double()
+    s = torch.maximum(pos.abs(), neg.abs()) if kind == "abs_max" else torch.maximum(pos, neg)
+    valid = mask.bool()
+    if not torch.isfinite(s[valid]).all():
+        raise ValueError("CSCR: a log-prob shift is not finite on a response token (NaN or inf log-probs "
+                         "under a privileged prompt); check the re-scoring pass's dtype and the prompt's length")
+    return torch.where(valid, s, torch.zeros_like(s))
+
+
+def resolve_threshold(sens: Tensor, mask: Tensor, cfg: CSCRConfig) -> float:
+    """tau in nats: ``cfg.threshold`` itself, or its quantile over the valid tokens' sensitivities
+    (linear interpolation; +inf for a batch without valid tokens: nothing attenuated)."""
+    if cfg.threshold_mode == "absolute":
+        return float(cfg.threshold)
+    values = sens[mask.bool()]
+    return float(torch.quantile(values, cfg.threshold)) if values.numel() else math.inf
+
+
+def attenuation_weights(sens: Tensor, mask: Tensor, tau: float, cfg: CSCRConfig) -> Tensor:
+    """(bs, T) float64 w~: steps 3-4 of the module docstring; rows without valid tokens are all 0."""
+    valid = mask.bool()
+    above = valid & (sens > tau)
+    w = torch.ones_like(sens)
+    if above.any():
+        w[above] = torch.clamp(torch.exp(-cfg.alpha * (sens[above] - tau)), min=cfg.floor)
+    w = torch.where(valid, w, torch.zeros_like(w))
+    count = valid.sum(-1, keepdim=True).double()
+    total = w.sum(-1, keepdim=True)
+    # total > 0 whenever count > 0 unless floor == 0 and every weight underflowed: keep GRPO's then
+    uniform = valid.double()
+    return torch.where(total > 0, w * count / total.clamp_min(torch.finfo(torch.float64).tiny), uniform)
+
+
+def cscr_advantages(sequence_advantages: Tensor, pos_shift: Tensor, neg_shift: Tensor, mask: Tensor,
+                    cfg: CSCRConfig) -> CSCRResult:
+    """CSCR's token advantages. ``sequence_advantages``: (bs,) GRPO's A per response; shifts and
+    ``mask``: (bs, T)."""
+    if sequence_advantages.shape != mask.shape[:1]:
+        raise ValueError(f"CSCR: sequence advantages {tuple(sequence_advantages.shape)} must be (bs,) for a "
+                         f"(bs, T) = {tuple(mask.shape)} mask")
+    sens = sensitivity(pos_shift, neg_shift, mask, cfg.sensitivity)
+    tau = resolve_threshold(sens, mask, cfg)
+    w = attenuation_weights(sens, mask, tau, cfg)
+    adv = sequence_advantages.double()[:, None] * w
+    return CSCRResult(advantages=adv.float(), weights=w.float(), sensitivity=sens.float(), threshold=tau)
+
+
+def cscr_stats(result: CSCRResult, sequence_advantages: Tensor, mask: Tensor) -> dict[str, float]:
+    """Per-step metrics (``cscr/...``): sensitivity, fraction attenuated, weights, the budget error
+    ``max |sum_t A_t - T A|`` and the sign violations (must be 0)."""
+    valid = mask.bool()
+    if not valid.any():
+        return {"cscr/valid_tokens": 0.0}
+    s, w = result.sensitivity.double()[valid], result.weights.double()[valid]
+    count = valid.sum(-1).double()
+    budget = (result.advantages.double().sum(-1) - count * sequence_advantages.double()).abs().max()
+    sign = torch.sign(sequence_advantages.double())[:, None].expand_as(mask)[valid]
+    adv = result.advantages.double()[valid]
+    return {
+        "cscr/sensitivity/mean": float(s.mean()),
+        "cscr/sensitivity/max": float(s.max()),
+        "cscr/threshold": float(result.threshold),  # finite: the batch has valid tokens
+        "cscr/frac_attenuated": float((s > result.threshold).double().mean()),
+        "cscr/weight/mean": float(w.mean()),
+        "cscr/weight/min": float(w.min()),
+        "cscr/weight/max": float(w.max()),
+        "cscr/budget_error": float(budget),
+        "cscr/sign_violations": float(((adv * sign) < 0).sum() + ((sign == 0) & (adv != 0)).sum()),
+        "cscr/valid_tokens": float(valid.sum()),
+    }

@@ -1,0 +1,221 @@
+"""OPPO (Oracle-Prompted Policy Optimization): token advantages from a Bayesian value recursion over
+the oracle's evidence.
+
+Specification: ``../shared/METHODS.md`` section 1.2 (no public code; every [GUESS] there is a key of
+:class:`OPPOConfig`). Per response, over its valid tokens ``t`` (mask ``m``), with reward ``R`` in
+[0, 1] and its group's success rate ``p``:
+
+1. evidence:   e_t = log pi^(y_t | x + oracle(y*), y_<t) - log pi^(y_t | x, y_<t)    (nats)
+2. clipping:   e~_t = clip(e_t, -clip, clip)
+3. prior:      V_0 = clip(p, eps, 1 - eps) (``prior=group``) or 1/2 (``prior=half``); l_0 = logit(V_0)
+4. recursion:  l_t = l_0 + sum_{s<t} m_s e~_s,   V_t = sigmoid(l_t)       (``state_weight=tracked``;
+               ``constant``: V_t = 1/2 for every t)
+5. advantage:  exact        A_t = m_t (sigmoid(l_t + e~_t) - sigmoid(l_t))   (telescopes: sum = V_T - V_0)
+               first_order  A_t = m_t V_t (1 - V_t) e~_t
+6. terminal:   ``last_token`` adds (R - V_0) - sum_t A_t to the last valid token, so that
+               sum_t A_t = R - V_0 exactly (= R - V_T for the exact form); ``none`` leaves it
+7. anchoring:  d = sign(R - V_0) (GRPO's direction);  ``clamp``: A_t <- d max(0, d A_t);
+               ``abs``: A_t <- d |A_t|;  ``none``
+8. scale:      ``group_std`` divides by (std of the group's rewards + 1e-6), as GRPO; ``none`` (default)
+
+Groups whose rewards are all equal get A = 0 (GRPO gives them 0; ``zero_uniform_groups``). Float64
+inside, float32 out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Hashable, Mapping
+
+import torch
+from torch import Tensor
+
+from verl_oar.core.privileged_prompt import OPPO_ORACLE, OVERFLOWS, check_template
+
+__all__ = ["OPPOConfig", "OPPOResult", "group_ids", "oppo_advantages", "oppo_stats"]
+
+CHOICES = {
+    "prior": ("group", "half"),
+    "form": ("exact", "first_order"),
+    "state_weight": ("tracked", "constant"),
+    "terminal": ("none", "last_token"),
+    "anchor": ("clamp", "abs", "none"),
+    "scale": ("none", "group_std"),
+}
+STD_EPS = 1e-6
+"""GRPO's epsilon in verl (``compute_grpo_outcome_advantage``)"""
+
+
+@dataclass(frozen=True)
+class OPPOConfig:
+    """OPPO's advantage keys under ``algorithm.oppo`` (METHODS.md 1.2; [GUESS] = not public)."""
+
+    clip: float = 2.0
+    """[GUESS: value] evidence clipping c in nats (lambda in [e^-c, e^c]); 0 disables it"""
+    prior: str = "group"
+    """[GUESS] V_0: ``group`` (the group's success rate, clipped to [prior_eps, 1 - prior_eps]) or ``half``"""
+    prior_eps: float = 1e-3
+    form: str = "exact"
+    """``exact`` (sigmoid difference, telescopes) or ``first_order`` (V (1 - V) e~)"""
+    state_weight: str = "tracked"
+    """``tracked`` (V_t from the recursion) or ``constant`` (V_t = 1/2: with first_order and anchor=none
+    the advantage is the OPD reward e~/4)"""
+    terminal: str = "none"
+    """[GUESS] ``none`` (the literal formula) or ``last_token`` (the last token takes R - V_0 - sum A)"""
+    anchor: str = "clamp"
+    """[GUESS: form] direction anchoring: ``clamp`` (tokens against the verifier get 0), ``abs``, ``none``"""
+    scale: str = "none"
+    """[GUESS] ``none`` (Dr.GRPO-like) or ``group_std`` (divide by the group's reward std, as GRPO)"""
+    zero_uniform_groups: bool = True
+    """a group whose rewards are all equal gets advantage 0, as in GRPO"""
+    template: str = OPPO_ORACLE
+    """[GUESS: wording] the oracle prompt's user turn, with ``{question}`` and ``{answer}`` (``core.privileged_prompt``)"""
+    overflow: str = "truncate"
+    """an oracle prompt + response longer than the model's context: ``truncate`` the prompt from the left
+    or ``skip`` the row (its evidence is 0); both counted"""
+
+    def __post_init__(self) -> None:
+        for key, choices in CHOICES.items():
+            if getattr(self, key) not in choices:
+                raise ValueError(f"algorithm.oppo.{key}={getattr(self, key)!r} is invalid: one of {choices}.")
+        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not self.clip >= 0:
+            raise ValueError(f"algorithm.oppo.clip={self.clip!r} is invalid: nats >= 0 (0 = no clipping).")
+        if isinstance(self.prior_eps, bool) or not isinstance(self.prior_eps, (int, float)) or not 0 < self.prior_eps < 0.5:
+            raise ValueError(f"algorithm.oppo.prior_eps={self.prior_eps!r} is invalid: in (0, 0.5).")
+        check_template(self.template, "algorithm.oppo.template", needs_answer=True)
+        if self.overflow not in OVERFLOWS:
+            raise ValueError(f"algorithm.oppo.overflow={self.overflow!r} is invalid: one of {OVERFLOWS}.")
+        if not isinstance(self.zero_uniform_groups, bool):
+            raise ValueError(f"algorithm.oppo.zero_uniform_groups={self.zero_uniform_groups!r} is invalid: true or false.")
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OPPOConfig":
+        """Read ``algorithm.oppo`` (DictConfig or dict); unknown keys are refused with the valid ones."""
+        raw = dict(((algorithm or {}).get("oppo", None) or {}).items())
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - valid)
+        if unknown:
+            raise ValueError(f"Unknown key(s) algorithm.oppo.{', algorithm.oppo.'.join(unknown)}. "
+                             f"Valid keys: {', '.join(sorted(valid))} (docs/algo/oppo.md).")
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class OPPOResult:
+    advantages: Tensor
+    """(bs, T) float32, 0 on padding"""
+    values: Tensor
+    """(bs, T + 1) float32: V_0 .. V_T of the tracked recursion (V after each valid token; padding
+    repeats the last value)"""
+    prior: Tensor
+    """(bs,) float32: V_0"""
+    clipped: Tensor
+    """(bs, T) bool: tokens whose evidence was clipped"""
+    uniform: Tensor
+    """(bs,) bool: rows of a group with one reward (advantage 0 when ``zero_uniform_groups``)"""
+
+
+def group_ids(index: Sequence[Hashable]) -> Tensor:
+    """(bs,) int64 group number of every row, from verl's ``index`` (the rollout ``uid`` per row)."""
+    numbers: dict[Hashable, int] = {}
+    return torch.tensor([numbers.setdefault(key, len(numbers)) for key in index], dtype=torch.long)
+
+
+def _group_mean_std(values: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row: its group's mean, unbiased std (0 for a group of one) and whether all its values are equal."""
+    n = int(groups.max()) + 1 if groups.numel() else 0
+    count = torch.zeros(n, dtype=torch.float64).index_add_(0, groups, torch.ones_like(values))
+    total = torch.zeros(n, dtype=torch.float64).index_add_(0, groups, values)
+    mean = total / count
+    sq = torch.zeros(n, dtype=torch.float64).index_add_(0, groups, (values - mean[groups]) ** 2)
+    std = torch.where(count > 1, (sq / (count - 1).clamp_min(1)).sqrt(), torch.zeros_like(sq))
+    lo = torch.full((n,), math.inf, dtype=torch.float64).scatter_reduce(0, groups, values, "amin")
+    hi = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce(0, groups, values, "amax")
+    return mean[groups], std[groups], (lo == hi)[groups]
+
+
+def oppo_advantages(evidence: Tensor, rewards: Tensor, groups: Tensor, mask: Tensor, cfg: OPPOConfig) -> OPPOResult:
+    """OPPO's token advantages. ``evidence``: (bs, T) e_t in nats; ``rewards``: (bs,) R in [0, 1];
+    ``groups``: (bs,) group numbers (:func:`group_ids`); ``mask``: (bs, T)."""
+    bs, t = mask.shape
+    if evidence.shape != mask.shape or rewards.shape != (bs,) or groups.shape != (bs,):
+        raise ValueError(f"OPPO: evidence {tuple(evidence.shape)} and mask {tuple(mask.shape)} must be (bs, T), "
+                         f"rewards {tuple(rewards.shape)} and groups {tuple(groups.shape)} (bs,)")
+    valid = mask.bool()
+    m = valid.double()
+    r = rewards.double()
+    if not torch.isfinite(r).all() or ((r < 0) | (r > 1)).any():
+        bad = r[~torch.isfinite(r) | (r < 0) | (r > 1)][:3].tolist()
+        raise ValueError(f"OPPO reads a response's reward as its success probability, in [0, 1]; got {bad}. "
+                         "Use a 0/1 verifier reward (or rescale the reward function's scores into [0, 1]).")
+    e = evidence.double()
+    if not torch.isfinite(e[valid]).all():
+        raise ValueError("OPPO: the oracle evidence is not finite on a response token (NaN or inf log-probs "
+                         "under the oracle prompt); check the re-scoring pass's dtype and the prompt's length")
+    e = torch.where(valid, e, torch.zeros_like(e))
+    et = e.clamp(-cfg.clip, cfg.clip) if cfg.clip > 0 else e
+    clipped = valid & (et != e)
+    mean, std, uniform = _group_mean_std(r, groups.long())
+    prior = mean.clamp(cfg.prior_eps, 1 - cfg.prior_eps) if cfg.prior == "group" else torch.full_like(r, 0.5)
+    l0 = torch.log(prior) - torch.log1p(-prior)
+    # l_t before token t (exclusive cumsum), and l_T after the last one
+    inclusive = l0[:, None] + torch.cumsum(et, dim=-1)
+    before = inclusive - et
+    values = torch.cat([l0[:, None], inclusive], dim=-1).sigmoid()
+    state = before if cfg.state_weight == "tracked" else torch.zeros_like(before)
+    if cfg.form == "exact":
+        adv = (state + et).sigmoid() - state.sigmoid()
+    else:
+        v = state.sigmoid()
+        adv = v * (1 - v) * et
+    adv = adv * m
+    if cfg.terminal == "last_token":
+        has = valid.any(-1)
+        last = (valid.long() * torch.arange(1, t + 1)).argmax(-1)  # the last valid position
+        gap = (r - prior) - adv.sum(-1)
+        adv[torch.arange(bs)[has], last[has]] += gap[has]
+    direction = torch.sign(r - prior)[:, None]
+    if cfg.anchor == "clamp":
+        adv = direction * torch.clamp(direction * adv, min=0)
+    elif cfg.anchor == "abs":
+        adv = direction * adv.abs()
+    if cfg.scale == "group_std":
+        adv = adv / (std[:, None] + STD_EPS)
+    if cfg.zero_uniform_groups:
+        adv = torch.where(uniform[:, None], torch.zeros_like(adv), adv)
+    return OPPOResult(advantages=(adv * m).float(), values=values.float(), prior=prior.float(), clipped=clipped,
+                      uniform=uniform)
+
+
+def oppo_stats(result: OPPOResult, evidence: Tensor, rewards: Tensor, mask: Tensor) -> dict[str, float]:
+    """Per-step metrics (``oppo/...``): evidence, clipping, prior, terminal value, sign violations
+    (tokens whose advantage opposes the verifier's direction R - V_0 after anchoring; 0 unless
+    ``anchor=none``), advantage statistics."""
+    valid = mask.bool()
+    if not valid.any():
+        return {"oppo/valid_tokens": 0.0}
+    e = evidence.double()[valid]
+    adv = result.advantages.double()
+    direction = torch.sign(rewards.double() - result.prior.double())[:, None].expand_as(adv)
+    v_end = result.values.double()[:, -1]  # padding adds no evidence: V after the last valid token
+    rows = valid.any(-1)
+    return {
+        "oppo/evidence/mean": float(e.mean()),
+        "oppo/evidence/abs_mean": float(e.abs().mean()),
+        "oppo/evidence/max": float(e.max()),
+        "oppo/evidence/min": float(e.min()),
+        "oppo/frac_clipped": float(result.clipped[valid].double().mean()),
+        "oppo/prior/mean": float(result.prior.double()[rows].mean()),
+        "oppo/value_end/mean": float(v_end[rows].mean()),
+        "oppo/terminal_gap/abs_mean": float((rewards.double() - v_end)[rows].abs().mean()),
+        "oppo/frac_uniform_groups": float(result.uniform.double().mean()),
+        "oppo/sign_violations": float(((adv * direction)[valid] < 0).sum()),
+        "oppo/advantage/abs_mean": float(adv[valid].abs().mean()),
+        "oppo/advantage/seq_sum_mean": float(adv.sum(-1)[rows].mean()),
+        "oppo/valid_tokens": float(valid.sum()),
+    }
