@@ -116,6 +116,7 @@ def after_import(module_name: str, callback: Callable[[object], None]) -> None:
 
 def _register_estimators(_core_algos) -> None:
     from verl_oar.integration import estimators  # noqa: F401  (registers oar_* in verl's registry)
+    from verl_oar.integration import privileged_estimators  # noqa: F401  (registers cscr, oppo)
     from verl_oar.integration import upstream_hook
 
     if upstream_hook.available():  # a verl with the upstream series: its own seams, no trainer hook

@@ -29,6 +29,8 @@ from verl_oar.integration.validate import LEGACY, check_token_signals_supported,
 __all__ = ["LEGACY", "OAR_TRAINERS", "check_token_signals_supported", "install_legacy_guard", "install_trainer_hook"]
 
 OAR_TRAINERS: dict = {}
+OWN_PREFIXES = ("cscr/", "oppo/")
+"""estimator metrics logged under their method's own prefix; every other key goes under ``oar/``"""
 """trainer mode -> the class built for a token-level estimator (only ``sync``)"""
 
 
@@ -141,7 +143,7 @@ def _oar_trainer_sync(base):
             )
             with provide(signals):
                 batch = super()._compute_advantage(batch, metrics)
-            metrics.update({f"oar/{k}": v for k, v in signals.metrics.items()})
+            metrics.update({k if k.startswith(OWN_PREFIXES) else f"oar/{k}": v for k, v in signals.metrics.items()})
             for guard in self._guards:
                 metrics.update(guard.observe(int(self.global_steps), signals.metrics))
             dump_dir = self.config.algorithm.get("oar", {}).get("dump_dir", "")

@@ -1,0 +1,96 @@
+"""Privileged prompts (verl_oar.core.privileged_prompt) and the cscr / oppo estimators as verl calls
+them (verl_oar.integration.privileged_estimators): registry entries, signals in, formulas out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verl_oar.core.privileged_prompt import OPPO_ORACLE, check_template, ground_truth, rewrite_messages
+
+
+def test_rewrite_keeps_system_and_earlier_turns_and_fills_placeholders_once():
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "what is {answer}? \\boxed{}"}]
+    out = rewrite_messages(messages, OPPO_ORACLE, "42")
+    assert out[:3] == messages[:3] and messages[3]["content"] == "what is {answer}? \\boxed{}"  # input untouched
+    # the question's own "{answer}" text is not a placeholder: filled in one pass
+    assert out[3] == {"role": "user", "content": "what is {answer}? \\boxed{}\n\nThe correct final answer is: 42."}
+    assert rewrite_messages(messages, "{question}")[3] == messages[3]  # identity template
+
+
+def test_bad_templates_rows_and_ground_truth_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="containing {question}"):
+        check_template("The answer is {answer}", "algorithm.oppo.template")
+    with pytest.raises(ValueError, match="has no {answer}"):
+        check_template("{question} think again", "algorithm.oppo.template", needs_answer=True)
+    with pytest.raises(ValueError, match="no user message"):
+        rewrite_messages([{"role": "system", "content": "x"}], "{question}")
+    with pytest.raises(ValueError, match="multimodal"):
+        rewrite_messages([{"role": "user", "content": [{"type": "image"}]}], "{question}")
+    assert ground_truth({"style": "rule", "ground_truth": 7}) == "7"
+    assert ground_truth({"ground_truth": ["1/2", "0.5"]}) == "1/2"
+    with pytest.raises(ValueError, match="ground_truth"):
+        ground_truth({"style": "rule"})
+
+
+def _batch(seed=0, groups=2, n=4, t=6):
+    g = torch.Generator().manual_seed(seed)
+    bs = groups * n
+    lengths = torch.randint(2, t + 1, (bs,), generator=g)
+    mask = (torch.arange(t)[None] < lengths[:, None]).float()
+    rewards = torch.zeros(bs, t)
+    score = (torch.rand(bs, generator=g) < 0.5).float()
+    score[0], score[1] = 1.0, 0.0  # group 0 has both outcomes
+    rewards[torch.arange(bs), lengths - 1] = score
+    index = np.array([f"u{i // n}" for i in range(bs)], dtype=object)
+    return rewards, mask, index, g
+
+
+def test_cscr_estimator_is_grpo_reallocated_by_the_shifts():
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    from verl_oar.core.cscr import CSCRConfig, cscr_advantages
+    from verl_oar.integration import privileged_estimators  # noqa: F401
+    from verl_oar.integration.estimators import grpo_advantage
+    from verl_oar.integration.signals import TokenSignals, provide
+
+    rewards, mask, index, g = _batch()
+    pos, neg = torch.randn(mask.shape, generator=g) * mask, torch.randn(mask.shape, generator=g) * mask
+    scored = torch.ones_like(mask, dtype=torch.long)
+    scored[5] = 0  # a skipped row keeps GRPO's credit
+    config = {"cscr": {"alpha": 2.0}}
+    signals = TokenSignals(tensors={"cscr_pos_shift": pos, "cscr_neg_shift": neg, "cscr_scored": scored})
+    with provide(signals):
+        adv, returns = get_adv_estimator_fn("cscr")(rewards, mask, index, config=config)
+    grpo = grpo_advantage(rewards, mask, index, 1e-6, True)
+    keep = torch.ones(len(mask), dtype=torch.bool)
+    keep[5] = False
+    expected = cscr_advantages(grpo[:, 0], pos, neg, mask * keep[:, None], CSCRConfig(alpha=2.0)).advantages
+    torch.testing.assert_close(adv[keep], expected[keep])
+    torch.testing.assert_close(adv[5], grpo[5])
+    assert torch.equal(adv, returns)
+    torch.testing.assert_close(adv.sum(1), grpo.sum(1), atol=1e-5, rtol=1e-5)  # the credit budget
+    assert signals.metrics["cscr/sign_violations"] == 0 and signals.metrics["cscr/frac_rows_scored"] == 7 / 8
+
+
+def test_oppo_estimator_is_the_value_recursion_over_the_evidence():
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    from verl_oar.core.oppo import OPPOConfig, group_ids, oppo_advantages
+    from verl_oar.integration import privileged_estimators  # noqa: F401
+    from verl_oar.integration.signals import TokenSignals, provide
+
+    rewards, mask, index, g = _batch(1)
+    evidence = torch.randn(mask.shape, generator=g) * mask
+    signals = TokenSignals(tensors={"oppo_evidence": evidence, "oppo_scored": torch.ones_like(mask, dtype=torch.long)})
+    with provide(signals):
+        adv, _ = get_adv_estimator_fn("oppo")(rewards, mask, index, config={"oppo": {"form": "first_order"}})
+    expected = oppo_advantages(evidence, rewards.sum(1), group_ids(list(index)), mask.bool(),
+                               OPPOConfig(form="first_order")).advantages
+    torch.testing.assert_close(adv, expected)
+    assert signals.metrics["oppo/sign_violations"] == 0
+    with provide(TokenSignals(tensors={"oppo_evidence": evidence, "oppo_scored": torch.ones_like(mask, dtype=torch.long)})):
+        with pytest.raises(ValueError, match="Valid keys"):
+            get_adv_estimator_fn("oppo")(rewards, mask, index, config={"oppo": {"forms": "exact"}})

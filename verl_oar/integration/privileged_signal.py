@@ -1,0 +1,240 @@
+"""Privileged re-scoring: the sampled responses' log-probs under rewritten prompts, on the actor's
+engine, and the two token signals built from them (``cscr_shifts``, ``oppo_evidence``).
+
+verl extension points (checked against verl 0.9.1): the token-signal channel (``signals``: providers run
+right after the old-log-prob step, when ``old_log_probs`` are in TransferQueue) and verl's own
+``compute_log_prob`` worker call, so the pass has the engine's packing, micro-batching, dynamic batch
+size and offload. Per step:
+
+1. read each row's ``raw_prompt`` (chat messages), ``reward_model`` (ground truth, when a template has
+   ``{answer}``), ``responses`` and ``response_mask`` from TransferQueue;
+2. for every template, rewrite the last user turn (``core.privileged_prompt``), render it with the
+   rollout's own token builder (``create_continuous_token_builder`` with ``data.apply_chat_template_kwargs``,
+   as verl's agent loop) and append the response; a row whose privileged prompt + response exceeds the
+   context (the model's ``max_position_embeddings``, ``rollout.max_model_len``, and under dynamic batch
+   size ``rollout.log_prob_max_token_len_per_gpu``) is truncated from the left of its prompt or skipped
+   (``overflow``), counted; verl's synthetic padding rows are re-scored as they are (log-prob shift 0);
+3. every template's rows go into one TransferQueue partition of their own (``PARTITION``) and through
+   ONE ``compute_log_prob`` call at the rollout temperature (balanced across data-parallel ranks by
+   verl's ``_balance_batch``; K templates x a batch that verl already made divisible keeps every
+   divisibility of the old-log-prob call); the partition is cleared afterwards, also on error;
+4. the response tokens' log-probs minus ``old_log_probs`` are the shifts, written as nested
+   (bs, response_len) fields under the batch's keys.
+
+The actor scores its own rollout (same weights as ``old_log_probs``): CSCR's self-teacher and OPPO's
+self-oracle. Text prompts only (multimodal rows are refused with the cause).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from verl_oar.core.cscr import CSCRConfig
+from verl_oar.core.oppo import OPPOConfig
+from verl_oar.core.privileged_prompt import ground_truth, rewrite_messages
+from verl_oar.integration.signals import register_token_signal
+
+PARTITION = "verl_oar_privileged"
+"""TransferQueue partition of the re-scored rows (never "train"/"val": verl's replay buffer reads those)"""
+CSCR_FIELDS = ("cscr_pos_shift", "cscr_neg_shift", "cscr_scored")
+OPPO_FIELDS = ("oppo_evidence", "oppo_scored")
+
+
+@dataclass
+class Rescored:
+    """The pass's result for one template: per row the response tokens' shifts (1-D float32, 0 on skipped rows)."""
+
+    shifts: list[torch.Tensor]
+    scored: list[bool]
+    """False: the row was skipped (too long with ``overflow=skip``)"""
+
+
+@dataclass
+class RescoreStats:
+    rows: int = 0
+    truncated: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    prompt_tokens_added: list[int] = field(default_factory=list)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        added = self.prompt_tokens_added
+        return {
+            f"{prefix}/rescore/rows": float(self.rows),
+            f"{prefix}/rescore/truncated": float(self.truncated),
+            f"{prefix}/rescore/skipped": float(self.skipped),
+            f"{prefix}/rescore/seconds": float(self.seconds),
+            f"{prefix}/rescore/prompt_tokens_added_mean": float(sum(added) / len(added)) if added else 0.0,
+        }
+
+
+def _model_facts(trainer) -> tuple[str | None, int]:
+    """(hf model_type, context limit in tokens) of the actor's model, read once per trainer."""
+    cached = getattr(trainer, "_verl_oar_model_facts", None)
+    if cached is not None:
+        return cached
+    from transformers import AutoConfig
+
+    model = trainer.config.actor_rollout_ref.model
+    hf = AutoConfig.from_pretrained(model.path, trust_remote_code=bool(model.get("trust_remote_code", False)))
+    limit = getattr(hf, "max_position_embeddings", None) or math.inf
+    rollout = trainer.config.actor_rollout_ref.rollout
+    if rollout.get("max_model_len", None):
+        limit = min(limit, int(rollout.max_model_len))
+    if rollout.get("log_prob_use_dynamic_bsz", False) and rollout.get("log_prob_max_token_len_per_gpu", None):
+        limit = min(limit, int(rollout.log_prob_max_token_len_per_gpu))
+    trainer._verl_oar_model_facts = (getattr(hf, "model_type", None), limit)
+    return trainer._verl_oar_model_facts
+
+
+def _token_builder(trainer):
+    """verl's rollout token builder for this model (what the agent loop renders prompts with)."""
+    builder = getattr(trainer, "_verl_oar_token_builder", None)
+    if builder is None:
+        from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+        kwargs = dict(trainer.config.data.get("apply_chat_template_kwargs", None) or {})
+        builder = create_continuous_token_builder(trainer.tokenizer, hf_model_type=_model_facts(trainer)[0],
+                                                  chat_template_kwargs=kwargs)
+        trainer._verl_oar_token_builder = builder
+    return builder
+
+
+def _rows(data, name: str) -> list:
+    value = data[name]
+    return list(value.unbind()) if isinstance(value, torch.Tensor) else list(value)
+
+
+def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreStats) -> list[Rescored]:
+    """Steps 1-4 of the module docstring for ``templates``; one ``compute_log_prob`` call in all."""
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+    from verl.workers.utils.padding import response_from_nested
+
+    started = time.perf_counter()
+    needs_answer = any("{answer}" in t for t in templates)
+    fields = ["raw_prompt", "prompts", "responses", "response_mask", "old_log_probs"] + (["reward_model"] if needs_answer else [])
+    src = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    messages, prompts = _rows(src, "raw_prompt"), _rows(src, "prompts")
+    responses, masks, old = _rows(src, "responses"), _rows(src, "response_mask"), _rows(src, "old_log_probs")
+    answers = [None] * len(batch)
+    padding = [bool((tag or {}).get("is_padding", False)) for tag in batch.tags]
+    if needs_answer:
+        rms = _rows(src, "reward_model")
+        answers = [None if pad else ground_truth(rm) for rm, pad in zip(rms, padding, strict=True)]
+    _, limit = _model_facts(trainer)
+    builder = _token_builder(trainer)
+
+    keys, rows, tags, scored = [], [], [], []
+    for j, template in enumerate(templates):
+        for i, key in enumerate(batch.keys):
+            response = responses[i]
+            ok = True
+            if padding[i]:
+                prompt = prompts[i]
+            else:
+                ids = builder.build_initial_tokens(rewrite_messages(list(messages[i]), template, answers[i] or ""))
+                prompt = torch.as_tensor(ids, dtype=torch.long)
+                stats.prompt_tokens_added.append(len(prompt) - len(prompts[i]))
+                room = limit - len(response)
+                if len(prompt) > room:
+                    if overflow == "skip" or room < 1:
+                        ok, prompt = False, prompts[i]  # scored as the rollout's own prompt; the result is not used
+                        stats.skipped += 1
+                    else:
+                        prompt = prompt[-int(room):]
+                        stats.truncated += 1
+            input_ids = torch.cat([prompt, response])
+            keys.append(f"t{j}/{key}")
+            rows.append({"prompts": prompt, "responses": response, "response_mask": masks[i], "loss_mask": masks[i],
+                         "input_ids": input_ids, "position_ids": torch.arange(len(input_ids), dtype=torch.long)})
+            tags.append({"seq_len": len(input_ids), "is_padding": padding[i]})
+            scored.append(ok)
+    stats.rows += len(rows)
+    meta_keys = keys
+    try:
+        tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=list_of_dict_to_tensordict(rows), tags=tags)
+        meta = KVBatchMeta(keys=keys, tags=tags, partition_id=PARTITION, extra_info={
+            "calculate_entropy": False, "compute_loss": False,
+            "temperature": trainer.config.actor_rollout_ref.rollout.temperature,
+        })
+        meta = trainer._balance_batch(meta, metrics={}, logging_prefix="verl_oar_privileged_seqlen")
+        meta_keys = list(meta.keys)
+        output = trainer.actor_rollout_wg.compute_log_prob(meta)
+        if len(output) != len(meta):
+            raise RuntimeError(f"privileged re-scoring: compute_log_prob returned {len(output)} rows for {len(meta)}")
+        got = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=["log_probs", "response_mask"])
+        log_probs = response_from_nested(got["log_probs"], got["response_mask"]).unbind()
+    finally:
+        tq.kv_clear(keys=meta_keys, partition_id=PARTITION)
+    n = len(batch)
+    out = []
+    for j in range(len(templates)):
+        shifts, ok = [], []
+        for i in range(n):
+            row = j * n + i
+            good = scored[row]
+            shift = (log_probs[row].float() - old[i].float()) if good else torch.zeros(len(responses[i]))
+            shifts.append(shift * masks[i].float())
+            ok.append(good)
+        out.append(Rescored(shifts=shifts, scored=ok))
+    stats.seconds += time.perf_counter() - started
+    return out
+
+
+def _put(batch, tensors: dict[str, list[torch.Tensor]]) -> None:
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    from verl_oar.engines.inputs import nested
+
+    fields = TensorDict({name: nested(rows) for name, rows in tensors.items()}, batch_size=len(batch))
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+
+
+def _scored_rows(result: Rescored, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.full_like(shift, int(ok), dtype=torch.long) for shift, ok in zip(like, result.scored, strict=True)]
+
+
+def validate_privileged(config) -> None:
+    """Start-up checks shared by CSCR and OPPO: their keys, and a trainer that can re-score."""
+    from verl_oar.integration.validate import estimator_name
+
+    name = estimator_name(config)
+    (CSCRConfig if name == "cscr" else OPPOConfig).from_algorithm(config.algorithm)
+    strategy = config.actor_rollout_ref.actor.strategy
+    if strategy not in ("fsdp", "fsdp2", "megatron"):
+        raise ValueError(f"algorithm.adv_estimator={name} re-scores responses on the actor's engine; "
+                         f"actor_rollout_ref.actor.strategy={strategy!r} is not one of fsdp, fsdp2, megatron.")
+    if config.actor_rollout_ref.model.get("use_fused_kernels", False):
+        raise ValueError(f"algorithm.adv_estimator={name} needs per-token log-probs at the rollout temperature from "
+                         "verl's log-prob pass; actor_rollout_ref.model.use_fused_kernels=True is not supported here. "
+                         "Set actor_rollout_ref.model.use_fused_kernels=False.")
+
+
+@register_token_signal("cscr_shifts", fields=CSCR_FIELDS, validate=validate_privileged)
+def compute_cscr_shifts(trainer, batch, metrics: dict) -> None:
+    """``cscr_pos_shift`` / ``cscr_neg_shift``: log pi(y_t | x + c+/-, y_<t) - old_log_prob_t (nats); ``cscr_scored``
+    1 on rows that were re-scored (0: skipped, weights stay 1)."""
+    cfg = CSCRConfig.from_algorithm(trainer.config.algorithm)
+    stats = RescoreStats()
+    pos, neg = rescore(trainer, batch, [cfg.pos_template, cfg.neg_template], cfg.overflow, stats)
+    scored = [torch.full_like(p, int(a and b), dtype=torch.long) for p, a, b in zip(pos.shifts, pos.scored, neg.scored, strict=True)]
+    _put(batch, {"cscr_pos_shift": pos.shifts, "cscr_neg_shift": neg.shifts, "cscr_scored": scored})
+    metrics.update(stats.metrics("cscr"))
+
+
+@register_token_signal("oppo_evidence", fields=OPPO_FIELDS, validate=validate_privileged)
+def compute_oppo_evidence(trainer, batch, metrics: dict) -> None:
+    """``oppo_evidence``: log pi(y_t | x + oracle(y*), y_<t) - old_log_prob_t (nats, the self-oracle);
+    ``oppo_scored`` 1 on rows that were re-scored (0: skipped, evidence 0)."""
+    cfg = OPPOConfig.from_algorithm(trainer.config.algorithm)
+    stats = RescoreStats()
+    (oracle,) = rescore(trainer, batch, [cfg.template], cfg.overflow, stats)
+    _put(batch, {"oppo_evidence": oracle.shifts, "oppo_scored": _scored_rows(oracle, oracle.shifts)})
+    metrics.update(stats.metrics("oppo"))
