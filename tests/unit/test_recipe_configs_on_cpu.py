@@ -1,8 +1,8 @@
 """The recipes (recipes/config, recipes/run_*.sh): each composes with Hydra against verl's config, passes
-verl's validation and OAR's start-up checks, mirrors the published GRPO settings, and GRPO / OAR-G /
-OAR-P differ only in the estimator; the launch scripts pass their arguments; a Megatron recipe's CPU
-copy is refused. The CPU copies' trainer runs are in tests/e2e/test_recipes_on_cpu.py (OAR-P) and
-tests/e2e/test_resume_on_cpu.py (OAR-G)."""
+verl's validation and the estimator's start-up checks, mirrors the published GRPO settings, and every
+method's recipe differs from GRPO's only in ``algorithm.*``; the launch scripts pass their arguments; a Megatron recipe's CPU
+copy is refused. The CPU copies' trainer runs are in tests/e2e/test_recipes_on_cpu.py (OAR-P),
+tests/e2e/test_resume_on_cpu.py (OAR-G) and tests/e2e/test_privileged_e2e_on_cpu.py (CSCR, OPPO)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ RECIPES = recipe_names()
 _composed = functools.lru_cache(maxsize=None)(compose_recipe)
 """read-only uses: each recipe composed once (about a second each)"""
 MODELS = {"1_5b": "Qwen/Qwen2.5-Math-1.5B", "7b": "Qwen/Qwen2.5-Math-7B"}
-ESTIMATORS = ("grpo", "oar_g", "oar_p")
+ESTIMATORS = ("grpo", "oar_g", "oar_p", "cscr", "oppo")
+TOKEN_ESTIMATORS = ESTIMATORS[1:]
 ENGINES = ("", "_megatron")
 
 
@@ -37,14 +38,15 @@ def test_recipe_composes_and_passes_verls_validation_and_oars_startup_checks(nam
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from verl_oar.integration.importance_signal import validate_importance_config
+    from verl_oar.integration import estimators, privileged_estimators  # noqa: F401  (registered as in a run)
+    from verl_oar.integration.validate import check_token_signals_supported
 
     config = compose_recipe(name)
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # what the workers build
     omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
-    if config.algorithm.adv_estimator != "grpo":
-        validate_importance_config(config)
+    providers = check_token_signals_supported(config, "sync")  # every start-up check of the estimator's signals
+    assert bool(providers) == (config.algorithm.adv_estimator != "grpo")
     assert need_reference_policy(config) and not need_critic(config)
 
 
@@ -69,8 +71,14 @@ def test_recipe_mirrors_deepseek_r1_style_grpo_as_verl_runs_it(name):
     if megatron:
         assert actor.megatron.pipeline_model_parallel_size == 1
         assert actor.megatron.tensor_model_parallel_size == (2 if model == "7b" else 1)
-    if c.algorithm.adv_estimator != "grpo":
+    if c.algorithm.adv_estimator in ("oar_g", "oar_p"):
         assert c.algorithm.oar.tau == 0.5 and c.algorithm.oar.outcome == "mean"  # the paper's best
+    if c.algorithm.adv_estimator in ("cscr", "oppo"):  # the shared YAML lists every key at its documented default
+        from verl_oar.core.cscr import CSCRConfig
+        from verl_oar.core.oppo import OPPOConfig
+
+        default = (CSCRConfig if c.algorithm.adv_estimator == "cscr" else OPPOConfig)()
+        assert OmegaConf.to_container(c.algorithm[c.algorithm.adv_estimator]) == default.to_dict()
 
 
 def _flat(config) -> dict:
@@ -89,14 +97,15 @@ def _flat(config) -> dict:
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("engine", ENGINES, ids=["fsdp2", "megatron"])
-def test_grpo_oar_g_and_oar_p_recipes_differ_only_in_the_estimator(model, engine):
+def test_every_methods_recipe_differs_from_grpos_only_in_algorithm(model, engine):
     grpo = _flat(_composed(f"qwen2_5_math_{model}_grpo{engine}"))
-    for estimator in ("oar_g", "oar_p"):
+    for estimator in TOKEN_ESTIMATORS:
         oar = _flat(_composed(f"qwen2_5_math_{model}_{estimator}{engine}"))
         changed = {k for k in grpo.keys() | oar.keys() if grpo.get(k, "<absent>") != oar.get(k, "<absent>")}
         # values derived from the experiment name (checkpoint folder, trace name) follow it
         derived = {k for k in changed if grpo["trainer.experiment_name"] in str(grpo.get(k))}
-        assert {k for k in changed - derived if not k.startswith("algorithm.oar.")} == {"algorithm.adv_estimator"}
+        assert {k for k in changed - derived if not k.startswith(f"algorithm.{estimator.split('_')[0]}.")} == {
+            "algorithm.adv_estimator"}
         assert "trainer.experiment_name" in derived
         assert oar["algorithm.adv_estimator"] == estimator
 
