@@ -164,7 +164,7 @@ def test_run_overrides_compose_validate_and_differ_only_where_they_should(tiny_b
 
     from verl_oar.testbed.training_runs import RunSettings, run_overrides
 
-    settings = RunSettings(steps=3, val_every=2)
+    settings = RunSettings(steps=3, val_every=2, mini_batch_size=4)
     configs = {}
     for method in ("grpo", "oar_g", "oar_p"):
         for seed in (0, 1):
@@ -178,6 +178,9 @@ def test_run_overrides_compose_validate_and_differ_only_where_they_should(tiny_b
     assert grpo["trainer.v1.sampler.custom_sampler.name"] == "QuickPollReplayBuffer"
     assert grpo["trainer.test_freq"] == settings.val_every and grpo["trainer.val_before_train"] is True
     assert grpo["actor_rollout_ref.actor.optim.lr"] == settings.lr
+    # --mini-batch-size 4: two PPO mini-batches per step
+    assert grpo["data.train_batch_size"] == 2 * grpo["actor_rollout_ref.actor.ppo_mini_batch_size"] == 2 * settings.mini_batch_size
+    assert grpo["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == settings.mini_batch_size * settings.n
     assert grpo["actor_rollout_ref.rollout.val_kwargs.do_sample"] is False
     assert configs["oar_p", 0]["algorithm.oar.perturb_token_id"] == 32
     assert configs["oar_p", 0]["algorithm.oar.perturb_mode"] == "exact"
@@ -209,7 +212,7 @@ def test_bad_flags_are_refused_with_the_fix(capsys):
 
     for argv, needle in ((["--methods", "grpo,ppo"], "unknown"), (["--methods", "oar_g"], "must include grpo"),
                          (["--seeds", "0,0"], "distinct"), (["--fracs", "0.2,0.5"], "0.1 among them"),
-                         (["--steps", "0"], "steps")):
+                         (["--steps", "0"], "steps"), (["--batch-size", "8", "--mini-batch-size", "3"], "must divide")):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert needle in capsys.readouterr().err

@@ -58,6 +58,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=RunSettings.steps, help="training steps per run")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
     p.add_argument("--batch-size", type=int, default=RunSettings.batch_size, help="prompts per step")
+    p.add_argument("--mini-batch-size", type=int, default=RunSettings.mini_batch_size,
+                   help="prompts per PPO mini-batch, one optimizer step each (default: the whole step)")
     p.add_argument("--n", type=int, default=RunSettings.n, help="responses per prompt (GRPO group)")
     p.add_argument("--lr", type=float, default=RunSettings.lr)
     p.add_argument("--val-prompts", type=int, default=RunSettings.val_prompts, help="held-out prompts validated greedily")
@@ -79,6 +81,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--seeds: give distinct integers, e.g. 0,1,2")
     if args.steps < 1 or args.quality_samples < 1 or args.val_every < 0 or args.batch_size < 1 or args.val_prompts < 1:
         p.error("--steps, --batch-size, --val-prompts and --quality-samples must be >= 1, --val-every >= 0")
+    if args.mini_batch_size is not None and (
+            not 1 <= args.mini_batch_size <= args.batch_size or args.batch_size % args.mini_batch_size):
+        p.error(f"--mini-batch-size must divide --batch-size ({args.batch_size}); got {args.mini_batch_size}")
     if args.n < 2:
         p.error("--n must be >= 2: a GRPO group of one response has advantage 0 on every token")
     if not all(0 < f <= 1 for f in args.frac_list) or 0.1 not in args.frac_list:
@@ -208,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     _log("    recall of the causal tokens @10%: " + ", ".join(
         f"{n} {q['estimators'][n]['recall']['causal']['0.1']:.2f}" for n in QUALITY_ESTIMATORS) + f" ({q['seconds']} s)")
 
-    settings = RunSettings(steps=args.steps, batch_size=args.batch_size, n=args.n, lr=args.lr,
+    settings = RunSettings(steps=args.steps, batch_size=args.batch_size, mini_batch_size=args.mini_batch_size, n=args.n, lr=args.lr,
                            val_every=args.val_every, val_prompts=args.val_prompts)
     val_file = write_val_subset(bed, args.val_prompts, out / "data" / "val_subset.parquet")
     cluster = SharedRayCluster(out / "logs" / "ray_cluster.log") if not os.environ.get(RAY_ADDRESS_ENV) else None

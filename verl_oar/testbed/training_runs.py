@@ -52,6 +52,9 @@ class RunSettings:
     held-out points by step 8 on 3 of the long run's 5 seeds, on all 5 by step 24 (README)"""
     batch_size: int = 8
     """prompts per step"""
+    mini_batch_size: int | None = None
+    """prompts per PPO mini-batch: ``batch_size`` / this optimizer steps per training step (None: the
+    whole step, one on-policy update; the Qwen2.5-Math recipes take two)"""
     n: int = 8
     """responses per prompt"""
     lr: float = 1e-3
@@ -78,6 +81,7 @@ def run_overrides(
     """The Hydra overrides of one run (``name`` = ``trainer.experiment_name``)."""
     response_length = max_response_tokens(bed.spec)
     test_freq = settings.val_every if settings.val_every > 0 else settings.steps
+    mini_batch = settings.mini_batch_size or settings.batch_size
     out = cpu_overrides(
         bed.root,
         steps=settings.steps,
@@ -93,6 +97,8 @@ def run_overrides(
     )
     out += method_overrides(method, seed, neutral_id, dump_dir)
     out += [
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini_batch * settings.n}",
         "actor_rollout_ref.model.use_remove_padding=False",
         "trainer.v1.sampler.custom_sampler.path=pkg://verl_oar.cpu.replay_buffer",
         "trainer.v1.sampler.custom_sampler.name=QuickPollReplayBuffer",
