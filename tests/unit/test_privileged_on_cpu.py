@@ -94,3 +94,24 @@ def test_oppo_estimator_is_the_value_recursion_over_the_evidence():
     with provide(TokenSignals(tensors={"oppo_evidence": evidence, "oppo_scored": torch.ones_like(mask, dtype=torch.long)})):
         with pytest.raises(ValueError, match="Valid keys"):
             get_adv_estimator_fn("oppo")(rewards, mask, index, config={"oppo": {"forms": "exact"}})
+
+
+@pytest.mark.parametrize("estimator, extra, needle", [
+    ("cscr", ["+algorithm.cscr.alpah=0.5"], "Valid keys: alpha"),
+    ("cscr", ["+algorithm.cscr.pos_template='no placeholder'"], "containing {question}"),
+    ("oppo", ["+algorithm.oppo.template='{question} think again'"], "has no {answer}"),
+    ("oppo", ["actor_rollout_ref.model.use_fused_kernels=True"], "use_fused_kernels=False"),
+])
+def test_bad_configurations_stop_the_run_at_start_up_with_the_fix(estimator, extra, needle):
+    from _verl_config import compose_ppo_config
+
+    from verl_oar.cpu.overrides import cpu_overrides
+    from verl_oar.integration import privileged_estimators  # noqa: F401
+    from verl_oar.integration.validate import check_token_signals_supported
+
+    config = compose_ppo_config(cpu_overrides("/ws", adv_estimator=estimator) + extra)
+    with pytest.raises(ValueError, match=needle):
+        check_token_signals_supported(config, "sync")
+    good = compose_ppo_config(cpu_overrides("/ws", adv_estimator=estimator))
+    assert [p.name for p in check_token_signals_supported(good, "sync")] == [
+        {"cscr": "cscr_shifts", "oppo": "oppo_evidence"}[estimator]]
