@@ -19,6 +19,18 @@ from verl_oar.core.perturbation import PerturbationConfig
 from verl_oar.core.reshape import ReshapeConfig
 
 
+def algorithm_node(algorithm: Mapping[str, Any] | None, node: str, cls: type, docs: str) -> dict[str, Any]:
+    """The keys under ``algorithm.<node>`` (DictConfig or dict) as a dict; a key that is not a field of the
+    dataclass ``cls`` is refused with the list of valid keys and where they are documented (``docs``)."""
+    raw = dict(((algorithm or {}).get(node, None) or {}).items())
+    valid = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - valid)
+    if unknown:
+        raise ValueError(f"Unknown key(s) algorithm.{node}.{f', algorithm.{node}.'.join(unknown)}. "
+                         f"Valid keys: {', '.join(sorted(valid))} ({docs}).")
+    return raw
+
+
 @dataclass(frozen=True)
 class OARConfig:
     """Everything OAR reads from ``algorithm.oar``; defaults follow the paper's best setting."""
@@ -128,16 +140,7 @@ class OARConfig:
     @classmethod
     def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OARConfig":
         """Read ``algorithm.oar`` from verl's ``algorithm`` config (DictConfig or dict)."""
-        raw = (algorithm or {}).get("oar", None) or {}
-        raw = dict(raw.items())
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - valid)
-        if unknown:
-            raise ValueError(
-                f"Unknown key(s) algorithm.oar.{', algorithm.oar.'.join(unknown)}. "
-                f"Valid keys: {', '.join(sorted(valid))} (see README, 'Configuration')."
-            )
-        return cls(**raw)
+        return cls(**algorithm_node(algorithm, "oar", cls, "see README, 'Configuration'"))
 
     def reshape_config(self) -> ReshapeConfig:
         return ReshapeConfig(

@@ -21,12 +21,13 @@ Computed in float64, returned as float32.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
+from verl_oar.core.config import algorithm_node
 from verl_oar.core.privileged_prompt import CSCR_NEGATIVE, CSCR_POSITIVE, OVERFLOWS, check_template
 
 __all__ = ["CSCRConfig", "CSCRResult", "attenuation_weights", "cscr_advantages", "cscr_stats", "sensitivity"]
@@ -82,13 +83,7 @@ class CSCRConfig:
     @classmethod
     def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "CSCRConfig":
         """Read ``algorithm.cscr`` (DictConfig or dict); unknown keys are refused with the valid ones."""
-        raw = dict(((algorithm or {}).get("cscr", None) or {}).items())
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - valid)
-        if unknown:
-            raise ValueError(f"Unknown key(s) algorithm.cscr.{', algorithm.cscr.'.join(unknown)}. "
-                             f"Valid keys: {', '.join(sorted(valid))} (docs/algo/cscr.md).")
-        return cls(**raw)
+        return cls(**algorithm_node(algorithm, "cscr", cls, "docs/algo/cscr.md"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Hashable, Mapping
 
 import torch
 from torch import Tensor
 
+from verl_oar.core.config import algorithm_node
 from verl_oar.core.privileged_prompt import OPPO_ORACLE, OVERFLOWS, check_template
 
 __all__ = ["OPPOConfig", "OPPOResult", "group_ids", "oppo_advantages", "oppo_stats"]
@@ -93,13 +94,7 @@ class OPPOConfig:
     @classmethod
     def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OPPOConfig":
         """Read ``algorithm.oppo`` (DictConfig or dict); unknown keys are refused with the valid ones."""
-        raw = dict(((algorithm or {}).get("oppo", None) or {}).items())
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - valid)
-        if unknown:
-            raise ValueError(f"Unknown key(s) algorithm.oppo.{', algorithm.oppo.'.join(unknown)}. "
-                             f"Valid keys: {', '.join(sorted(valid))} (docs/algo/oppo.md).")
-        return cls(**raw)
+        return cls(**algorithm_node(algorithm, "oppo", cls, "docs/algo/oppo.md"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
