@@ -169,6 +169,25 @@ def test_warm_start_responses_pick_the_larger_digit_with_the_stated_probability(
     assert picked_max / second_larger == pytest.approx(prob, abs=0.06)
 
 
+@pytest.mark.parametrize("repeat_prob", [0.0, 0.15, 1.0])
+def test_repeated_letter_gaps_come_with_the_stated_probability_and_keep_the_oracle(repeat_prob):
+    problems = make_problems(400, 2, seed=5, pick_max_prob=0.4, repeat_prob=repeat_prob)
+    gaps = repeated = 0
+    for p in problems:
+        trace = parse_response(p.response)
+        assert trace is not None and trace.copies_picks and len(trace.picks) == 2
+        for gap in re.split(r" \d ", p.response[: trace.answer.marker_start].strip()):
+            words = gap.split()
+            assert len(words) == 2 and all(len(w) == 3 and w.isalpha() for w in words)
+            gaps += 1
+            repeated += len(set("".join(words))) == 1
+    # a gap of random letters is one letter throughout with probability 26**-5, negligible here
+    assert gaps == 3 * len(problems)
+    assert repeated / gaps == pytest.approx(repeat_prob, abs=0.03)
+    with pytest.raises(ValueError, match="repeat_prob"):
+        make_problems(3, 2, seed=0, pick_max_prob=0.4, repeat_prob=1.5)
+
+
 def test_rl_rows():
     problems = make_problems(3, 2, seed=0, pick_max_prob=0.4)
     rows = rl_rows(problems, "train")

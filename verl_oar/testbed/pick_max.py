@@ -90,37 +90,46 @@ class PickMaxProblem:
         return "".join(str(max(a, b)) for a, b in self.pairs)
 
 
-def filler_gap(words: int, word_length: int, rng: random.Random) -> list[str]:
-    """``words`` words of ``word_length`` letters, each letter uniform over a..z."""
+def filler_gap(words: int, word_length: int, rng: random.Random, repeat_prob: float = 0.0) -> list[str]:
+    """``words`` words of ``word_length`` letters, each letter uniform over a..z; with probability
+    ``repeat_prob`` instead one uniform letter written throughout the gap (``"qqq qqq"``).
+
+    Why the repeated gaps: greedy decoding of uniform letters writes one letter over and over, and
+    without such gaps in the warm-start data that greedy context is out of distribution (the
+    held-out greedy accuracy then swings with it; docs/testbed.md, "Tried after the long run")."""
+    if repeat_prob > 0 and rng.random() < repeat_prob:
+        return [rng.choice(LETTERS) * word_length] * words
     return ["".join(rng.choice(LETTERS) for _ in range(word_length)) for _ in range(words)]
 
 
 def warm_start_response(
-    pairs: Sequence[tuple[int, int]], pick_max_prob: float, words: int, word_length: int, rng: random.Random
+    pairs: Sequence[tuple[int, int]], pick_max_prob: float, words: int, word_length: int, rng: random.Random,
+    repeat_prob: float = 0.0,
 ) -> str:
-    """``"qzt kdm 7 abx fod 5 kle pqa \\boxed{75}"``: a gap of filler words before every pick and after
-    the last, then the boxed picks. Each pick is the pair's larger digit with probability
-    ``pick_max_prob``, else the pair's first digit."""
+    """``"qzt kdm 7 abx fod 5 kle pqa \\boxed{75}"``: a gap of filler words (:func:`filler_gap`) before
+    every pick and after the last, then the boxed picks. Each pick is the pair's larger digit with
+    probability ``pick_max_prob``, else the pair's first digit."""
     picks = [max(a, b) if rng.random() < pick_max_prob else a for a, b in pairs]
-    items = filler_gap(words, word_length, rng)
+    items = filler_gap(words, word_length, rng, repeat_prob)
     for pick in picks:
-        items += [str(pick), *filler_gap(words, word_length, rng)]
+        items += [str(pick), *filler_gap(words, word_length, rng, repeat_prob)]
     return " ".join(items) + " \\boxed{" + "".join(map(str, picks)) + "}"
 
 
 def make_problems(
-    n: int, pairs: int, seed: int, *, pick_max_prob: float, words: int = 2, word_length: int = 3
+    n: int, pairs: int, seed: int, *, pick_max_prob: float, words: int = 2, word_length: int = 3,
+    repeat_prob: float = 0.0,
 ) -> list[PickMaxProblem]:
     """``n`` problems of ``pairs`` pairs of distinct digits, deterministic per ``seed``; the digits do
     not depend on the other arguments (separate random streams). Problems may repeat."""
-    if pairs < 1 or words < 0 or word_length < 1 or not 0 <= pick_max_prob <= 1:
-        raise ValueError(f"pick_max: need pairs >= 1, words >= 0, word_length >= 1, 0 <= pick_max_prob <= 1; "
-                         f"got {pairs}, {words}, {word_length}, {pick_max_prob}")
+    if pairs < 1 or words < 0 or word_length < 1 or not 0 <= pick_max_prob <= 1 or not 0 <= repeat_prob <= 1:
+        raise ValueError(f"pick_max: need pairs >= 1, words >= 0, word_length >= 1, 0 <= pick_max_prob <= 1, "
+                         f"0 <= repeat_prob <= 1; got {pairs}, {words}, {word_length}, {pick_max_prob}, {repeat_prob}")
     digits_rng, text_rng = random.Random(f"{seed}/digits"), random.Random(f"{seed}/responses")
     problems = []
     for _ in range(n):
         chosen = tuple(tuple(digits_rng.sample(range(10), 2)) for _ in range(pairs))
-        problems.append(PickMaxProblem(chosen, warm_start_response(chosen, pick_max_prob, words, word_length, text_rng)))
+        problems.append(PickMaxProblem(chosen, warm_start_response(chosen, pick_max_prob, words, word_length, text_rng, repeat_prob)))
     return problems
 
 

@@ -60,8 +60,8 @@ __all__ = [
     "split_problems",
 ]
 
-TESTBED_VERSION = 2
-"""2: pick_max (1 was chain_sum)"""
+TESTBED_VERSION = 3
+"""3: pick_max with repeated-letter gaps in the warm start (2: without; 1 was chain_sum)"""
 COMMITTED = Path(__file__).parent / "start"
 """the committed testbed the demo starts from"""
 MANIFEST = "testbed.json"
@@ -84,6 +84,9 @@ class TestbedSpec:
     """filler words per gap (before each pick and after the last)"""
     word_length: int = 3
     """letters per filler word, each uniform over a..z"""
+    filler_repeat_prob: float = 0.15
+    """warm-start data: probability that a gap is one letter repeated (``"qqq qqq"``): puts greedy
+    decoding's repeated-letter context in distribution (``pick_max.filler_gap``)"""
     n_train: int = 4000
     n_val: int = 200
     hidden_size: int = 64
@@ -148,7 +151,7 @@ def split_problems(spec: TestbedSpec) -> tuple[list[PickMaxProblem], list[PickMa
     """(train, val): val is the first ``n_val`` distinct prompts drawn with the seed; train is drawn
     from the same generator with every val prompt removed (repeats allowed)."""
     pool = make_problems(4 * (spec.n_train + spec.n_val), spec.pairs, spec.seed, pick_max_prob=spec.pick_max_prob,
-                         words=spec.filler_words, word_length=spec.word_length)
+                         words=spec.filler_words, word_length=spec.word_length, repeat_prob=spec.filler_repeat_prob)
     val, val_pairs = [], set()
     for problem in pool:
         if len(val) == spec.n_val:
@@ -213,7 +216,8 @@ def warm_start(model, tokenizer, problems: Sequence[PickMaxProblem], spec: Testb
     examples = []
     for i in range(spec.warm_start_steps * spec.warm_start_batch_size):
         p = problems[i % len(problems)]
-        response = warm_start_response(p.pairs, spec.pick_max_prob, spec.filler_words, spec.word_length, text_rng)
+        response = warm_start_response(p.pairs, spec.pick_max_prob, spec.filler_words, spec.word_length, text_rng,
+                                       spec.filler_repeat_prob)
         examples.append((prompt_ids[p.prompt], tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]))
     start = time.time()
     losses = supervised_steps(model, tokenizer, examples, rng, steps=spec.warm_start_steps,
