@@ -109,6 +109,56 @@ def _rows(data, name: str) -> list:
     return list(value.unbind()) if isinstance(value, torch.Tensor) else list(value)
 
 
+@dataclass
+class PrivilegedRows:
+    """The rows of one re-scoring pass, template-major: row ``j * n + i`` is template j on batch row i."""
+
+    keys: list[str]
+    rows: list[dict]
+    """per row: ``prompts``, ``responses``, ``response_mask``, ``loss_mask``, ``input_ids``, ``position_ids``
+    (1-D long tensors, no padding: verl's nested layout)"""
+    tags: list[dict]
+    scored: list[bool]
+
+
+def privileged_rows(
+    templates: list[str], keys: list[str], messages: list, prompts: list[torch.Tensor], responses: list[torch.Tensor],
+    masks: list[torch.Tensor], answers: list[str | None], padding: list[bool], build_tokens, limit: float,
+    overflow: str, stats: RescoreStats,
+) -> PrivilegedRows:
+    """Step 2 of the module docstring: each row's rewritten prompt (``build_tokens(messages) -> ids``, the
+    rollout's token builder), followed by its response; over ``limit`` tokens it is truncated from the left
+    (``overflow="truncate"``) or skipped (scored on its rollout prompt, ``scored`` False), counted in
+    ``stats``. Padding rows keep their rollout prompt."""
+    out = PrivilegedRows([], [], [], [])
+    for j, template in enumerate(templates):
+        for i, key in enumerate(keys):
+            response = responses[i]
+            ok = True
+            if padding[i]:
+                prompt = prompts[i]
+            else:
+                ids = build_tokens(rewrite_messages(list(messages[i]), template, answers[i] or ""))
+                prompt = torch.as_tensor(ids, dtype=torch.long)
+                stats.prompt_tokens_added.append(len(prompt) - len(prompts[i]))
+                room = limit - len(response)
+                if len(prompt) > room:
+                    if overflow == "skip" or room < 1:
+                        ok, prompt = False, prompts[i]  # scored as the rollout's own prompt; the result is not used
+                        stats.skipped += 1
+                    else:
+                        prompt = prompt[-int(room):]
+                        stats.truncated += 1
+            input_ids = torch.cat([prompt, response])
+            out.keys.append(f"t{j}/{key}")
+            out.rows.append({"prompts": prompt, "responses": response, "response_mask": masks[i], "loss_mask": masks[i],
+                             "input_ids": input_ids, "position_ids": torch.arange(len(input_ids), dtype=torch.long)})
+            out.tags.append({"seq_len": len(input_ids), "is_padding": padding[i]})
+            out.scored.append(ok)
+    stats.rows += len(out.rows)
+    return out
+
+
 def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreStats) -> list[Rescored]:
     """Steps 1-4 of the module docstring for ``templates``; one ``compute_log_prob`` call in all."""
     import transfer_queue as tq
@@ -128,37 +178,12 @@ def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreS
         rms = _rows(src, "reward_model")
         answers = [None if pad else ground_truth(rm) for rm, pad in zip(rms, padding, strict=True)]
     _, limit = _model_facts(trainer)
-    builder = _token_builder(trainer)
-
-    keys, rows, tags, scored = [], [], [], []
-    for j, template in enumerate(templates):
-        for i, key in enumerate(batch.keys):
-            response = responses[i]
-            ok = True
-            if padding[i]:
-                prompt = prompts[i]
-            else:
-                ids = builder.build_initial_tokens(rewrite_messages(list(messages[i]), template, answers[i] or ""))
-                prompt = torch.as_tensor(ids, dtype=torch.long)
-                stats.prompt_tokens_added.append(len(prompt) - len(prompts[i]))
-                room = limit - len(response)
-                if len(prompt) > room:
-                    if overflow == "skip" or room < 1:
-                        ok, prompt = False, prompts[i]  # scored as the rollout's own prompt; the result is not used
-                        stats.skipped += 1
-                    else:
-                        prompt = prompt[-int(room):]
-                        stats.truncated += 1
-            input_ids = torch.cat([prompt, response])
-            keys.append(f"t{j}/{key}")
-            rows.append({"prompts": prompt, "responses": response, "response_mask": masks[i], "loss_mask": masks[i],
-                         "input_ids": input_ids, "position_ids": torch.arange(len(input_ids), dtype=torch.long)})
-            tags.append({"seq_len": len(input_ids), "is_padding": padding[i]})
-            scored.append(ok)
-    stats.rows += len(rows)
+    built = privileged_rows(templates, list(batch.keys), messages, prompts, responses, masks, answers, padding,
+                            _token_builder(trainer).build_initial_tokens, limit, overflow, stats)
+    keys, tags, scored = built.keys, built.tags, built.scored
     meta_keys = keys
     try:
-        tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=list_of_dict_to_tensordict(rows), tags=tags)
+        tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=list_of_dict_to_tensordict(built.rows), tags=tags)
         meta = KVBatchMeta(keys=keys, tags=tags, partition_id=PARTITION, extra_info={
             "calculate_entropy": False, "compute_loss": False,
             "temperature": trainer.config.actor_rollout_ref.rollout.temperature,
