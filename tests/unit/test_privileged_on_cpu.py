@@ -115,3 +115,57 @@ def test_bad_configurations_stop_the_run_at_start_up_with_the_fix(estimator, ext
     good = compose_ppo_config(cpu_overrides("/ws", adv_estimator=estimator))
     assert [p.name for p in check_token_signals_supported(good, "sync")] == [
         {"cscr": "cscr_shifts", "oppo": "oppo_evidence"}[estimator]]
+
+
+# --- the pass's rows (integration.privileged_signal.privileged_rows), on a character "tokenizer" ---------------
+
+
+def _chars(messages) -> list[int]:
+    """A stand-in for verl's token builder: one id per character of 'role:content|' per message."""
+    return [ord(c) for m in messages for c in f"{m['role']}:{m['content']}|"]
+
+
+def _rows(templates, responses, *, limit=float("inf"), overflow="truncate", padding=None, answers=None):
+    from verl_oar.integration.privileged_signal import RescoreStats, privileged_rows
+
+    n = len(responses)
+    messages = [[{"role": "user", "content": f"q{i}"}] for i in range(n)]
+    prompts = [torch.tensor(_chars(m)) for m in messages]
+    responses = [torch.tensor(r, dtype=torch.long) for r in responses]
+    stats = RescoreStats()
+    built = privileged_rows(templates, [f"k{i}" for i in range(n)], messages, prompts, responses,
+                            [torch.ones_like(r) for r in responses], answers or ["7"] * n, padding or [False] * n,
+                            _chars, limit, overflow, stats)
+    return built, stats, prompts
+
+
+def test_rows_are_template_major_with_the_rewritten_prompt_then_the_response():
+    built, stats, prompts = _rows(["{question}", "{question} A={answer}"], [[1, 2, 3], [4]], answers=["7", "8"])
+    assert built.keys == ["t0/k0", "t0/k1", "t1/k0", "t1/k1"] and built.scored == [True] * 4
+    assert torch.equal(built.rows[0]["prompts"], prompts[0])                     # identity: the rollout's prompt
+    assert bytes(built.rows[3]["prompts"].tolist()).decode() == "user:q1 A=8|"   # the answer filled in
+    for row in built.rows:
+        assert torch.equal(row["input_ids"], torch.cat([row["prompts"], row["responses"]]))
+        assert torch.equal(row["position_ids"], torch.arange(len(row["input_ids"])))
+    assert [t["seq_len"] for t in built.tags] == [len(r["input_ids"]) for r in built.rows]
+    assert stats.rows == 4 and stats.prompt_tokens_added == [0, 0, 4, 4] and stats.truncated == stats.skipped == 0
+
+
+def test_rows_past_the_context_are_truncated_from_the_left_or_skipped_and_counted():
+    long = "{question} " + "x" * 40
+    built, stats, _ = _rows([long], [[1, 2, 3], [4, 5]], limit=20)
+    assert [len(r["input_ids"]) for r in built.rows] == [20, 20] and built.scored == [True, True]
+    assert bytes(built.rows[0]["prompts"].tolist()).decode().endswith("xxxx|")  # the left end was cut
+    assert stats.truncated == 2 and stats.skipped == 0
+    built, stats, prompts = _rows([long], [[1, 2, 3], [4, 5]], limit=20, overflow="skip")
+    assert built.scored == [False, False] and stats.skipped == 2 and stats.truncated == 0
+    assert torch.equal(built.rows[1]["prompts"], prompts[1])  # scored on the rollout prompt, its result unused
+    built, stats, _ = _rows([long], [list(range(1, 25))], limit=20)  # the response alone fills the context
+    assert built.scored == [False] and stats.skipped == 1
+
+
+def test_padding_rows_keep_their_prompt_and_an_empty_response_is_a_row_of_its_own():
+    built, stats, prompts = _rows(["{question} {answer}"], [[], [9]], padding=[False, True], answers=["5", None])
+    assert len(built.rows[0]["responses"]) == 0 and len(built.rows[0]["input_ids"]) == len(built.rows[0]["prompts"])
+    assert torch.equal(built.rows[1]["prompts"], prompts[1]) and built.tags[1]["is_padding"]
+    assert stats.prompt_tokens_added == [2]  # padding rows are not rewritten, nor counted
