@@ -91,6 +91,12 @@ def test_oppo_estimator_is_the_value_recursion_over_the_evidence():
                                OPPOConfig(form="first_order")).advantages
     torch.testing.assert_close(adv, expected)
     assert signals.metrics["oppo/sign_violations"] == 0
+    # w~ (dumps, heatmaps): A_t * T / (R - V_0) per row, 0 where R = V_0
+    prior = signals.artifacts["values"][:, 0].double()
+    for row in range(len(mask)):
+        gap, length = float(rewards[row].sum() - prior[row]), float(mask[row].sum())
+        want = adv[row] * length / gap if abs(gap) > 1e-6 else torch.zeros_like(adv[row])
+        torch.testing.assert_close(signals.artifacts["weights"][row], want.float(), atol=1e-5, rtol=1e-5)
     with provide(TokenSignals(tensors={"oppo_evidence": evidence, "oppo_scored": torch.ones_like(mask, dtype=torch.long)})):
         with pytest.raises(ValueError, match="Valid keys"):
             get_adv_estimator_fn("oppo")(rewards, mask, index, config={"oppo": {"forms": "exact"}})
