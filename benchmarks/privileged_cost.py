@@ -14,7 +14,13 @@ Rows (each the median over ``--rounds`` round-robin rounds, divided by the old-l
 - ``CSCR (2 conditions, one call)``: the same with CSCR's two templates, 2x the rows in one call;
 - ``CSCR, one call per condition``: what batching the two conditions saves.
 
-The model is a random tiny Qwen2 with the CPU workspace's byte tokenizer (one token per character):
+``x tokens`` is the tokens the pass feeds the model over the rollout rows' tokens: the time ratio
+divided by it is what the pass costs beyond its tokens.
+
+One sequence per micro-batch (``log_prob_micro_batch_size_per_gpu=1``, no dynamic batch size): CPU
+has no variable-length attention kernel, and packing several sequences into one forward here costs
+attention over the whole pack, which a GPU's varlen kernels do not; one sequence per forward keeps the
+cost per sequence as on a GPU. The model is a random tiny Qwen2 with the CPU workspace's byte tokenizer (one token per character):
 the templates add more tokens than a BPE tokenizer would (CSCR's conditions ~85, OPPO's ~35 here;
 reported), so the ratios here are an upper bound for the same prompt text under Qwen's tokenizer.
 Prompts are a system turn and a math question padded to ``--prompt-chars`` characters; response
@@ -67,7 +73,8 @@ def build_model_dir(root: Path, hidden: int, layers: int) -> Path:
 
 
 def build_worker(model_dir: Path, rows: int, max_len: int):
-    """verl's engine worker (the plugin's subclass, as the trainer runs it), FSDP2, fp32, one rank."""
+    """verl's engine worker (the plugin's subclass, as the trainer runs it), FSDP2, fp32, one rank, one
+    sequence per log-prob micro-batch."""
     import verl
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -85,8 +92,8 @@ def build_worker(model_dir: Path, rows: int, max_len: int):
             "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
             "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={rows}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.actor.use_dynamic_bsz=True", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_len}",
-            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.use_dynamic_bsz=False", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_len}",
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
             f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={max_len}",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
             "actor_rollout_ref.rollout.name=hf", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
@@ -144,6 +151,8 @@ def main(argv=None) -> None:
     keys = [f"k{i}" for i in range(args.rows)]
     masks = [torch.ones_like(r) for r in responses]
     added: dict[str, list[int]] = {}
+    fed: dict[str, int] = {}
+    """tokens fed to the model per pass, by row name"""
 
     def score(rows: list[dict]) -> None:
         data = tu.list_of_dict_to_tensordict(rows)
@@ -154,21 +163,25 @@ def main(argv=None) -> None:
         score([{"prompts": p, "responses": r, "response_mask": m, "loss_mask": m, "input_ids": torch.cat([p, r]),
                 "position_ids": torch.arange(len(p) + len(r))} for p, r, m in zip(prompts, responses, masks)])
 
-    def privileged(name: str, templates: list[str], calls: int = 1):
+    def privileged(name: str, method: str, templates: list[str], calls: int = 1):
         def run() -> None:
+            tokens = 0
             for group in ([templates] if calls == 1 else [[t] for t in templates]):
                 stats = RescoreStats()
                 built = privileged_rows(group, keys, messages, prompts, responses, masks, answers, [False] * len(keys),
                                         builder.build_initial_tokens, float("inf"), "truncate", stats)
-                added[name] = stats.prompt_tokens_added
+                added[method] = stats.prompt_tokens_added
+                tokens += sum(len(row["input_ids"]) for row in built.rows)
                 score(built.rows)
+            fed[name] = tokens
         return run
 
     timers = {
         "old-log-prob pass": rollout_pass,
-        "OPPO self": privileged("OPPO self", [OPPO_ORACLE]),
-        "CSCR (2 conditions, one call)": privileged("CSCR", [CSCR_POSITIVE, CSCR_NEGATIVE]),
-        "CSCR, one call per condition": privileged("CSCR", [CSCR_POSITIVE, CSCR_NEGATIVE], calls=2),
+        "OPPO self": privileged("OPPO self", "OPPO", [OPPO_ORACLE]),
+        "CSCR (2 conditions, one call)": privileged("CSCR (2 conditions, one call)", "CSCR", [CSCR_POSITIVE, CSCR_NEGATIVE]),
+        "CSCR, one call per condition": privileged("CSCR, one call per condition", "CSCR", [CSCR_POSITIVE, CSCR_NEGATIVE],
+                                                   calls=2),
     }
     for fn in timers.values():  # warm-up
         fn()
@@ -180,6 +193,7 @@ def main(argv=None) -> None:
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["old-log-prob pass"])
     rollout_tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    fed["old-log-prob pass"] = rollout_tokens
     result = {
         "command": "python benchmarks/privileged_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
@@ -190,12 +204,14 @@ def main(argv=None) -> None:
                   "prompt_tokens_added_mean": {k: statistics.mean(v) for k, v in added.items()}},
         "rounds": args.rounds,
         "rows": {name: {"median_s": round(statistics.median(ts), 4), "ratio": round(statistics.median(ts) / base, 3),
-                        "min_ratio": round(min(ts) / base, 3), "max_ratio": round(max(ts) / base, 3)}
+                        "min_ratio": round(min(ts) / base, 3), "max_ratio": round(max(ts) / base, 3),
+                        "token_ratio": round(fed[name] / rollout_tokens, 3)}
                  for name, ts in times.items()},
     }
-    print(f"{'row':34s} {'median s':>9s} {'x old-log-prob':>15s}  (range over rounds)")
+    print(f"{'row':34s} {'median s':>9s} {'x old-log-prob':>15s}  {'(range)':>11s} {'x tokens':>9s}")
     for name, row in result["rows"].items():
-        print(f"{name:34s} {row['median_s']:9.3f} {row['ratio']:15.3f}  ({row['min_ratio']:.2f}-{row['max_ratio']:.2f})")
+        print(f"{name:34s} {row['median_s']:9.3f} {row['ratio']:15.3f}  ({row['min_ratio']:.2f}-{row['max_ratio']:.2f})"
+              f" {row['token_ratio']:9.3f}")
     print(json.dumps(result["shape"]))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
