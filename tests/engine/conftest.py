@@ -14,7 +14,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(__file__)
-IMPORTANCE_CASES, PERTURBATION_CASES, PRIVILEGED_CASES = 6, 5, 4
+IMPORTANCE_CASES, PERTURBATION_CASES, PRIVILEGED_CASES = 6, 5, 6
 SCRIPT = """
 import sys
 import engine_importance_check, engine_perturbation_check, engine_privileged_check

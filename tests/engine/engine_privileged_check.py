@@ -96,6 +96,54 @@ def reference(model_dir: str, tokenizer, names: list[str], limit: float) -> list
     return out
 
 
+def build_teacher_dir(root: str) -> str:
+    """A second tiny model with the actor's tokenizer and other weights (the teacher stand-in)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = build_model_dir(root)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(actor, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    path = os.path.join(root, "teacher_model")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(actor).save_pretrained(path)
+    return path
+
+
+def teacher_cases(out_dir: str, tokenizer, names: list[str]) -> None:
+    """OPPO's teacher oracle: the worker builds the teacher from ``actor_rollout_ref.oar_teacher`` beside the
+    actor, with the reference model's engine settings (here fp32: verl's ref default is bf16);
+    ``compute_teacher_log_prob`` equals plain transformers on the teacher's weights (not the actor's)."""
+    model_dir = build_model_dir(out_dir)
+    teacher_dir = build_teacher_dir(out_dir)
+    for case in (dict(use_remove_padding=True, use_dynamic_bsz=False, micro_bsz=2, param_offload=False),
+                 dict(use_remove_padding=True, use_dynamic_bsz=True, micro_bsz=1, param_offload=True, max_token_len=512)):
+        ref = (["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=512"]
+               if case["use_dynamic_bsz"] else [f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={case['micro_bsz']}"])
+        fp32 = "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+        worker = build_worker(model_dir, **case, extra=(f"+actor_rollout_ref.oar_teacher.path={teacher_dir}", fp32, *ref))
+        rows, _ = build(tokenizer, names, float("inf"))
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+        from verl.workers.utils.padding import response_from_nested
+
+        data = list_of_dict_to_tensordict(rows.rows)
+        tu.assign_non_tensor(data, temperature=TEMPERATURE, calculate_entropy=False, compute_loss=False)
+        output = worker.compute_teacher_log_prob(data)
+        got = [t.float() for t in response_from_nested(output["log_probs"], data["response_mask"]).unbind()]
+        want = reference(teacher_dir, tokenizer, names, float("inf"))
+        actor = reference(model_dir, tokenizer, names, float("inf"))
+        print("CASE " + json.dumps({
+            **case, "teacher": True,
+            "full_max_abs_err": max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)),
+            "teacher_vs_actor_min_max_diff": min(float((w - a).abs().max()) for w, a in zip(want, actor, strict=True)),
+            "separate_engine": worker.oar_teacher is not None and worker.oar_teacher is not worker.actor,
+        }), flush=True)
+        del worker
+
+
 def main(out_dir: str) -> None:
     from transformers import AutoTokenizer
 
@@ -132,6 +180,7 @@ def main(out_dir: str) -> None:
                 result["identity_prompt_equal"] = all(torch.equal(row["prompts"], p) for row, p in zip(rows.rows[:n], prompts))
         print("CASE " + json.dumps(result), flush=True)
         del worker
+    teacher_cases(out_dir, tokenizer, names)
 
 
 if __name__ == "__main__":

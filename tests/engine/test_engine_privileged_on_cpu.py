@@ -5,7 +5,10 @@ builder), the response appended, log-softmax at the rollout temperature (0.7), w
 off, micro-batch sizes 6, 2 and 3, dynamic batch size with parameter offload; four templates (identity,
 CSCR's two conditions, OPPO's oracle with the answer) in one call of 24 rows; the rewritten prompts
 truncated from the left to a context limit (15 of 24 rows); with the identity template the rows are
-the rollout's and their log-probs those of the rollout rows scored alone."""
+the rollout's and their log-probs those of the rollout rows scored alone. OPPO's teacher oracle: the
+worker builds a second, frozen model from ``actor_rollout_ref.oar_teacher`` (integration.teacher) with
+the reference model's engine settings, and ``compute_teacher_log_prob`` equals plain transformers on the
+teacher's weights, not the actor's (micro-batches of 2; dynamic batch size with offload)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,13 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def cases(engine_cases):
+def all_cases(engine_cases):
     return engine_cases["privileged"]  # the interpreter shared with the other engine checks (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def cases(all_cases):
+    return [c for c in all_cases if not c.get("teacher")]
 
 
 def _name(case):
@@ -45,3 +53,12 @@ def test_identity_template_gives_the_rollouts_prompt_and_log_probs(cases):
     for case in cases:
         assert case["identity_prompt_equal"], _name(case)
         assert case["identity_vs_rollout_max_abs_err"] <= 1e-6, (_name(case), case)
+
+
+def test_teacher_log_probs_equal_plain_transformers_on_the_teachers_weights(all_cases):
+    teacher = [c for c in all_cases if c.get("teacher")]
+    assert {c["use_dynamic_bsz"] for c in teacher} == {False, True}
+    for case in teacher:
+        assert case["separate_engine"], case
+        assert case["full_max_abs_err"] <= 1e-5, case
+        assert case["teacher_vs_actor_min_max_diff"] > 0.1, case  # it really is another model

@@ -175,3 +175,62 @@ def test_padding_rows_keep_their_prompt_and_an_empty_response_is_a_row_of_its_ow
     assert len(built.rows[0]["responses"]) == 0 and len(built.rows[0]["input_ids"]) == len(built.rows[0]["prompts"])
     assert torch.equal(built.rows[1]["prompts"], prompts[1]) and built.tags[1]["is_padding"]
     assert stats.prompt_tokens_added == [2]  # padding rows are not rewritten, nor counted
+
+
+# --- OPPO's teacher oracle: keys and start-up refusals (integration.teacher.check_teacher) ---------------------
+
+
+def test_teacher_keys_are_checked():
+    from verl_oar.core.oppo import OPPOConfig
+
+    cfg = OPPOConfig.from_algorithm({"oppo": {"oracle": "teacher", "teacher": {"path": "/models/t"}}})
+    assert cfg.teacher_path == "/models/t" and OPPOConfig().teacher_path is None
+    for node, needle in (({"oracle": "teacher"}, "needs the teacher model"), ({"teacher": {"path": "t"}}, "oracle=self ignores it"),
+                         ({"oracle": "teacher", "teacher": {"path": "t", "tp": 2}}, "Valid keys: path"),
+                         ({"oracle": "tutor"}, "one of \\('self', 'teacher'\\)")):
+        with pytest.raises(ValueError, match=needle):
+            OPPOConfig.from_algorithm({"oppo": node})
+
+
+def _save_teacher(root, tokenizer, vocab_size=None):
+    from transformers import Qwen2Config
+
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(root)
+    Qwen2Config(vocab_size=vocab_size or len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96).save_pretrained(root)
+    return root
+
+
+def test_a_teacher_that_cannot_score_the_actors_ids_stops_the_run_at_start_up(tmp_path):
+    from _verl_config import compose_ppo_config
+
+    from verl_oar.cpu.overrides import cpu_overrides
+    from verl_oar.cpu.workspace import build_tokenizer
+    from verl_oar.integration import privileged_estimators  # noqa: F401
+    from verl_oar.integration.validate import check_token_signals_supported
+
+    ws = tmp_path / "ws"
+    build_tokenizer().save_pretrained(ws / "model")
+    good = _save_teacher(tmp_path / "good", build_tokenizer())
+    extra = build_tokenizer()
+    extra.add_tokens(["<extra_token>"])
+    other_eos = build_tokenizer()
+    other_eos.eos_token = other_eos.pad_token
+    cases = [
+        (_save_teacher(tmp_path / "vocab", extra), [], "vocabulary differs"),
+        (_save_teacher(tmp_path / "eos", other_eos), [], "eos_token_id is"),
+        (_save_teacher(tmp_path / "small", build_tokenizer(), vocab_size=8), [], "embedding has 8 rows"),
+        (tmp_path / "missing", [], "cannot load its tokenizer and config"),
+        (good, ["actor_rollout_ref.actor.strategy=megatron"], "not supported for it yet"),
+    ]
+    for path, extra_overrides, needle in cases:
+        config = compose_ppo_config(cpu_overrides(str(ws), adv_estimator="oppo") + extra_overrides + [
+            "+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={path}"])
+        with pytest.raises(ValueError, match=needle):
+            check_token_signals_supported(config, "sync")
+    config = compose_ppo_config(cpu_overrides(str(ws), adv_estimator="oppo") + [
+        "+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={good}"])
+    (provider,) = check_token_signals_supported(config, "sync")
+    provider.attach(config)  # what the trainer does before verl builds the workers
+    assert config.actor_rollout_ref.oar_teacher.path == str(good)
