@@ -219,7 +219,6 @@ def test_a_teacher_that_cannot_score_the_actors_ids_stops_the_run_at_start_up(tm
     other_eos.eos_token = other_eos.pad_token
     cases = [
         (_save_teacher(tmp_path / "vocab", extra), [], "vocabulary differs"),
-        (_save_teacher(tmp_path / "eos", other_eos), [], "eos_token_id is"),
         (_save_teacher(tmp_path / "small", build_tokenizer(), vocab_size=8), [], "embedding has 8 rows"),
         (tmp_path / "missing", [], "cannot load its tokenizer and config"),
         (good, ["actor_rollout_ref.actor.strategy=megatron"], "not supported for it yet"),
@@ -229,6 +228,9 @@ def test_a_teacher_that_cannot_score_the_actors_ids_stops_the_run_at_start_up(tm
             "+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={path}"])
         with pytest.raises(ValueError, match=needle):
             check_token_signals_supported(config, "sync")
+    # another eos (an Instruct teacher of a base actor) is fine: the teacher only scores given ids
+    check_token_signals_supported(compose_ppo_config(cpu_overrides(str(ws), adv_estimator="oppo") + [
+        "+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={_save_teacher(tmp_path / 'eos', other_eos)}"]), "sync")
     config = compose_ppo_config(cpu_overrides(str(ws), adv_estimator="oppo") + [
         "+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={good}"])
     (provider,) = check_token_signals_supported(config, "sync")

@@ -27,8 +27,10 @@ MESH = "oar_teacher"
 
 def check_teacher(config, teacher_path: str) -> int:
     """Refuse, with the fix, a teacher the actor's token ids cannot be scored by: a tokenizer with another
-    vocabulary or other special-token ids, or a model whose embedding has fewer rows than the actor's ids;
-    and strategies the teacher is not built for. Returns the teacher's context length (tokens)."""
+    vocabulary (token -> id, added tokens included), or a model whose embedding has fewer rows than the
+    actor's ids; and strategies the teacher is not built for. Other special-token roles (an Instruct
+    teacher's eos is ``<|im_end|>``, a base actor's ``<|endoftext|>``) do not matter: the teacher only scores
+    given ids. Returns the teacher's context length (tokens)."""
     from transformers import AutoConfig, AutoTokenizer
 
     strategy = config.actor_rollout_ref.actor.strategy
@@ -56,11 +58,6 @@ def check_teacher(config, teacher_path: str) -> int:
         raise ValueError(f"algorithm.oppo.teacher.path={teacher_path}: its tokenizer's vocabulary differs from the actor's "
                          f"({actor_tokenizer_path}; {diff} (token, id) pairs differ), so it cannot score the actor's token "
                          "ids. Use a teacher of the same model family (same tokenizer), or algorithm.oppo.oracle=self.")
-    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        if getattr(teacher_tok, name) != getattr(actor_tok, name):
-            raise ValueError(f"algorithm.oppo.teacher.path={teacher_path}: {name} is {getattr(teacher_tok, name)} there and "
-                             f"{getattr(actor_tok, name)} in the actor's tokenizer; the teacher must read the actor's "
-                             "sequences as the actor does. Use a teacher with the actor's tokenizer.")
     rows = getattr(teacher_hf, "vocab_size", None)
     if rows is not None and rows < len(actor_tok):
         raise ValueError(f"algorithm.oppo.teacher.path={teacher_path}: its embedding has {rows} rows but the actor's "
