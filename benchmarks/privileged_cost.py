@@ -2,7 +2,7 @@
 verl's real FSDP2 engine (in-process worker, one-rank gloo group, CPU), same batch, same run.
 
     python benchmarks/privileged_cost.py [--rows 16] [--prompt-chars 400] [--mean-response 400]
-        [--hidden 128] [--layers 4] [--rounds 7] [--out FILE]
+        [--hidden 128] [--layers 4] [--teacher-hidden 256] [--rounds 7] [--out FILE]
 
 Rows (each the median over ``--rounds`` round-robin rounds, divided by the old-log-prob pass's):
 
@@ -12,7 +12,10 @@ Rows (each the median over ``--rounds`` round-robin rounds, divided by the old-l
   round trip: the rows built by ``privileged_rows`` (verl's rollout token builder renders every
   rewritten prompt) and one ``compute_log_prob`` call at the rollout temperature;
 - ``CSCR (2 conditions, one call)``: the same with CSCR's two templates, 2x the rows in one call;
-- ``CSCR, one call per condition``: what batching the two conditions saves.
+- ``CSCR, one call per condition``: what batching the two conditions saves;
+- ``OPPO teacher``: OPPO's teacher oracle, a frozen model built beside the actor (``integration.teacher``,
+  hidden ``--teacher-hidden``, the actor's layers and tokenizer: about (teacher/actor hidden)^2 the
+  actor's parameters, reported), scoring the rollout prompt and the oracle prompt in one call.
 
 ``x tokens`` is the tokens the pass feeds the model over the rollout rows' tokens: the time ratio
 divided by it is what the pass costs beyond its tokens.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import socket
@@ -72,7 +76,24 @@ def build_model_dir(root: Path, hidden: int, layers: int) -> Path:
     return root / "model"
 
 
-def build_worker(model_dir: Path, rows: int, max_len: int):
+def build_teacher_dir(root: Path, hidden: int, layers: int, tokenizer_dir: Path) -> Path:
+    """A random Qwen2 of ``hidden`` with the actor's tokenizer: the teacher stand-in."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(1)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False, torch_dtype="float32",
+    )
+    Qwen2ForCausalLM(config).save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    return root / "teacher"
+
+
+def build_worker(model_dir: Path, rows: int, max_len: int, teacher_dir: Path):
     """verl's engine worker (the plugin's subclass, as the trainer runs it), FSDP2, fp32, one rank, one
     sequence per log-prob micro-batch."""
     import verl
@@ -97,6 +118,9 @@ def build_worker(model_dir: Path, rows: int, max_len: int):
             f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={max_len}",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
             "actor_rollout_ref.rollout.name=hf", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
+            # OPPO's teacher, built with the reference model's engine settings (one sequence per micro-batch, fp32)
+            f"+actor_rollout_ref.oar_teacher.path={teacher_dir}", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+            "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
         ])
     worker = OARActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
     worker.init_model()
@@ -128,6 +152,7 @@ def main(argv=None) -> None:
     parser.add_argument("--mean-response", type=int, default=400)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--teacher-hidden", type=int, default=256, help="hidden size of OPPO's teacher stand-in")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -146,7 +171,8 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     messages, prompts, responses, answers = rollout(tokenizer, args.rows, args.prompt_chars, args.mean_response, 0)
     longest = max(len(p) + len(r) for p, r in zip(prompts, responses)) + 128
-    worker = build_worker(model_dir, args.rows, max(4096, longest))
+    teacher_dir = build_teacher_dir(root, args.teacher_hidden, args.layers, model_dir)
+    worker = build_worker(model_dir, args.rows, max(4096, longest), teacher_dir)
     builder = create_continuous_token_builder(tokenizer, hf_model_type="qwen2", chat_template_kwargs={})
     keys = [f"k{i}" for i in range(args.rows)]
     masks = [torch.ones_like(r) for r in responses]
@@ -154,16 +180,16 @@ def main(argv=None) -> None:
     fed: dict[str, int] = {}
     """tokens fed to the model per pass, by row name"""
 
-    def score(rows: list[dict]) -> None:
+    def score(rows: list[dict], teacher: bool = False) -> None:
         data = tu.list_of_dict_to_tensordict(rows)
         tu.assign_non_tensor(data, temperature=1.0, calculate_entropy=False, compute_loss=False)
-        worker.compute_log_prob(data)
+        (worker.compute_teacher_log_prob if teacher else worker.compute_log_prob)(data)
 
     def rollout_pass() -> None:
         score([{"prompts": p, "responses": r, "response_mask": m, "loss_mask": m, "input_ids": torch.cat([p, r]),
                 "position_ids": torch.arange(len(p) + len(r))} for p, r, m in zip(prompts, responses, masks)])
 
-    def privileged(name: str, method: str, templates: list[str], calls: int = 1):
+    def privileged(name: str, method: str, templates: list, calls: int = 1, teacher: bool = False):
         def run() -> None:
             tokens = 0
             for group in ([templates] if calls == 1 else [[t] for t in templates]):
@@ -172,7 +198,7 @@ def main(argv=None) -> None:
                                         builder.build_initial_tokens, float("inf"), "truncate", stats)
                 added[method] = stats.prompt_tokens_added
                 tokens += sum(len(row["input_ids"]) for row in built.rows)
-                score(built.rows)
+                score(built.rows, teacher)
             fed[name] = tokens
         return run
 
@@ -182,6 +208,7 @@ def main(argv=None) -> None:
         "CSCR (2 conditions, one call)": privileged("CSCR (2 conditions, one call)", "CSCR", [CSCR_POSITIVE, CSCR_NEGATIVE]),
         "CSCR, one call per condition": privileged("CSCR, one call per condition", "CSCR", [CSCR_POSITIVE, CSCR_NEGATIVE],
                                                    calls=2),
+        "OPPO teacher": privileged("OPPO teacher", "OPPO", [None, OPPO_ORACLE], teacher=True),
     }
     for fn in timers.values():  # warm-up
         fn()
@@ -197,7 +224,8 @@ def main(argv=None) -> None:
     result = {
         "command": "python benchmarks/privileged_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
-        "shape": {"rows": args.rows, "hidden": args.hidden, "layers": args.layers,
+        "shape": {"rows": args.rows, "hidden": args.hidden, "layers": args.layers, "teacher_hidden": args.teacher_hidden,
+                  "teacher_to_actor_parameters": round(_parameters(teacher_dir) / _parameters(model_dir), 2),
                   "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
                   "response_tokens_mean": statistics.mean(len(r) for r in responses),
                   "response_tokens_max": max(len(r) for r in responses), "rollout_tokens": rollout_tokens,
@@ -215,6 +243,13 @@ def main(argv=None) -> None:
     print(json.dumps(result["shape"]))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _parameters(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 if __name__ == "__main__":
