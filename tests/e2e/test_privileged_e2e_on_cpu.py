@@ -72,8 +72,7 @@ def test_cscr_and_oppo_train_and_their_dumps_follow_the_formulas(cpu_workspace_d
 
     teacher_dump = tmp_path / "teacher_dump"
     rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "teacher.log", "qwen2_5_math_1_5b_oppo_teacher", 2,
-                            "e2e_oppo_teacher", f"algorithm.oppo.teacher.path={cpu_workspace_dir / 'model'}",
-                            f"+algorithm.oar.dump_dir={teacher_dump}")
+                            "e2e_oppo_teacher", f"+algorithm.oar.dump_dir={teacher_dump}")  # teacher: the workspace model
     assert rc == 0, log[-6000:]
     records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_oppo_teacher"))
     assert [r["step"] for r in records] == [1, 2]

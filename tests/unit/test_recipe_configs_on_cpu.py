@@ -185,10 +185,13 @@ def test_the_cpu_copies_cover_every_fsdp2_oar_recipes_settings():
     that the reference-model run (``REF_MODEL_RUN``, test_bf16_e2e_on_cpu.py) sets."""
     from _e2e import RECIPE_CPU_COPIES, REF_MODEL_RUN
 
-    from verl_oar.cpu.recipe import recipe_cpu_overrides
+    from verl_oar.cpu.recipe import has_teacher, recipe_cpu_overrides
 
     names = [n for n in RECIPES if not n.endswith(("_megatron", "_grpo"))]
-    copies = {n: _flat(compose_recipe(n, recipe_cpu_overrides("/ws", steps=2, experiment_name="x"))) for n in names}
+    copies = {n: _flat(compose_recipe(n, recipe_cpu_overrides("/ws", steps=2, experiment_name="x", teacher=has_teacher(n))))
+              for n in names}
+    assert [n for n in names if has_teacher(n)] == ["qwen2_5_math_1_5b_oppo_teacher"]
+    assert copies["qwen2_5_math_1_5b_oppo_teacher"]["algorithm.oppo.teacher.path"] == "/ws/model"
     assert set(RECIPE_CPU_COPIES) <= set(copies)
     for name, c in copies.items():
         step_tokens = c["data.train_batch_size"] * c["actor_rollout_ref.rollout.n"] * (
