@@ -1,7 +1,7 @@
 """Cost of CSCR's and OPPO's privileged re-scoring pass as a ratio to the old-log-prob pass, through
 verl's real FSDP2 engine (in-process worker, one-rank gloo group, CPU), same batch, same run.
 
-    python benchmarks/privileged_cost.py [--rows 16] [--prompt-chars 400] [--mean-response 400]
+    python benchmarks/privileged_cost.py [--rows 16] [--prompt-chars 600] [--mean-response 2400]
         [--hidden 128] [--layers 4] [--teacher-hidden 256] [--rounds 7] [--out FILE]
 
 Rows (each the median over ``--rounds`` round-robin rounds, divided by the old-log-prob pass's):
@@ -23,12 +23,13 @@ divided by it is what the pass costs beyond its tokens.
 One sequence per micro-batch (``log_prob_micro_batch_size_per_gpu=1``, no dynamic batch size): CPU
 has no variable-length attention kernel, and packing several sequences into one forward here costs
 attention over the whole pack, which a GPU's varlen kernels do not; one sequence per forward keeps the
-cost per sequence as on a GPU. The model is a random tiny Qwen2 with the CPU workspace's byte tokenizer (one token per character):
-the templates add more tokens than a BPE tokenizer would (CSCR's conditions ~85, OPPO's ~35 here;
-reported), so the ratios here are an upper bound for the same prompt text under Qwen's tokenizer.
-Prompts are a system turn and a math question padded to ``--prompt-chars`` characters; response
-lengths are drawn like a rollout's (log-normal around ``--mean-response``, many short, a few long),
-fixed by a seed. Absolute times depend on the machine (reported); the ratios are the finding.
+cost per sequence as on a GPU. The model is a random tiny Qwen2 with the CPU workspace's byte tokenizer (one token per character).
+Every length is in characters, so the shares carry over to a BPE tokenizer at ~4 characters per token
+(Qwen's on English math text; not measured here): the default 600-character question and 2400-character
+mean response stand for ~150 + ~600 BPE tokens (a MATH prompt and a mid-length response), and CSCR's
+conditions (~87 characters added) and OPPO's hint (~35) for ~20 and ~9 tokens. Prompts are a system
+turn and a math question padded to ``--prompt-chars``; response lengths are drawn like a rollout's
+(log-normal around ``--mean-response``, many short, a few long), fixed by a seed. Absolute times depend on the machine (reported); the ratios are the finding.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def rollout(tokenizer, rows: int, prompt_chars: int, mean_response: int, seed: i
     messages, prompts, responses, answers = [], [], [], []
     for i in range(rows):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        question = f"Compute {a} + {b}. " + "Show every step of the computation. " * 64
+        question = f"Compute {a} + {b}. " + "Show every step of the computation. " * (prompt_chars // 30 + 1)
         m = [{"role": "system", "content": "Please reason step by step."},
              {"role": "user", "content": question[:prompt_chars]}]
         messages.append(m)
@@ -148,8 +149,8 @@ def rollout(tokenizer, rows: int, prompt_chars: int, mean_response: int, seed: i
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--prompt-chars", type=int, default=400)
-    parser.add_argument("--mean-response", type=int, default=400)
+    parser.add_argument("--prompt-chars", type=int, default=600)
+    parser.add_argument("--mean-response", type=int, default=2400)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--teacher-hidden", type=int, default=256, help="hidden size of OPPO's teacher stand-in")
