@@ -1,11 +1,15 @@
-"""CSCR and OPPO (self-oracle) end to end: their 1.5B FSDP2 recipes' CPU copies (``main_ppo`` in CPU mode
+"""CSCR and OPPO (self- and teacher-oracle) end to end: their 1.5B FSDP2 recipes' CPU copies (``main_ppo`` in CPU mode
 through the recipes' own launch scripts, the math reward), 2 steps each, the privileged re-scoring pass
 through verl's real FSDP2 engine, and every dumped row's advantages checked against the estimator's
 formula (verl_oar.core.cscr / core.oppo) from the dumped signals.
 
 The CSCR run uses the identity template for c+ (``{question}``: the rollout's own prompt): its shifts
 must be 0 up to float rounding (fp32), which checks that the pass renders the prompt as the agent loop
-did and scores the response tokens at the rollout temperature; c- is the default template."""
+did and scores the response tokens at the rollout temperature; c- is the default template.
+
+The teacher-oracle run's teacher is the workspace's model itself, i.e. the actor's starting weights: at
+step 1 (before any update) its evidence must equal the self-oracle run's, whose rollout is the same; at
+step 2 the actor has moved and the frozen teacher has not."""
 
 from __future__ import annotations
 
@@ -65,3 +69,23 @@ def test_cscr_and_oppo_train_and_their_dumps_follow_the_formulas(cpu_workspace_d
         assert d["oppo_evidence"][mask].abs().max() > 1e-2  # the reference answer moves the log-probs
         expected = oppo_advantages(d["oppo_evidence"], d["rewards"], d["groups"], mask, OPPOConfig()).advantages
         torch.testing.assert_close(d["advantages"], expected, atol=1e-6, rtol=1e-5)
+
+    teacher_dump = tmp_path / "teacher_dump"
+    rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "teacher.log", "qwen2_5_math_1_5b_oppo_teacher", 2,
+                            "e2e_oppo_teacher", f"+algorithm.oar.dump_dir={teacher_dump}")  # teacher: the workspace model
+    assert rc == 0, log[-6000:]
+    records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_oppo_teacher"))
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert all(k in record["data"] for k in OPPO_KEYS), [k for k in OPPO_KEYS if k not in record["data"]]
+        assert record["data"]["oppo/sign_violations"] == 0
+    for step in (1, 2):
+        d = torch.load(teacher_dump / f"step_{step}.pt")
+        mask = d["response_mask"].bool() & d["oppo_scored"].bool()
+        expected = oppo_advantages(d["oppo_evidence"], d["rewards"], d["groups"], mask, OPPOConfig()).advantages
+        torch.testing.assert_close(d["advantages"], expected, atol=1e-6, rtol=1e-5)
+    own, taught = torch.load(oppo_dump / "step_1.pt"), torch.load(teacher_dump / "step_1.pt")
+    assert torch.equal(own["responses"], taught["responses"])  # the same rollout at step 1
+    mask = own["response_mask"].bool()
+    assert (own["oppo_evidence"] - taught["oppo_evidence"])[mask].abs().max() < 1e-4  # teacher = actor at step 1
+

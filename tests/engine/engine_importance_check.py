@@ -116,7 +116,7 @@ def hf_reference(model_dir: str, tokenizer, prompts, responses, oar: dict, step:
 
 
 def build_worker(model_dir: str, *, use_remove_padding: bool, use_dynamic_bsz: bool, micro_bsz: int, param_offload: bool,
-                 param_dtype: str = "fp32"):
+                 param_dtype: str = "fp32", max_token_len: int = 96, extra: tuple[str, ...] = ()):
     from _verl_config import compose_ppo_config
 
     from verl_oar.integration.worker import OARActorRolloutRefWorker
@@ -134,12 +134,13 @@ def build_worker(model_dir: str, *, use_remove_padding: bool, use_dynamic_bsz: b
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_bsz}",
         f"actor_rollout_ref.actor.use_dynamic_bsz={use_dynamic_bsz}",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_token_len}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_bsz}",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=96",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={max_token_len}",
         "actor_rollout_ref.rollout.name=hf",
         "trainer.device=cpu",
         "trainer.n_gpus_per_node=1",
+        *extra,
     ])
     worker = OARActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
     worker.init_model()

@@ -67,63 +67,67 @@ def main(out_dir: str) -> None:
         dict(use_remove_padding=True, use_dynamic_bsz=False, micro_bsz=2, param_offload=False, outcome="mean", mode="chunk"),
         dict(use_remove_padding=False, use_dynamic_bsz=True, micro_bsz=1, param_offload=False, outcome="mean", mode="line"),
     ]
-    temperature = 0.8
-    for case in cases:
-        oar = dict(outcome=case["outcome"], perturb_mode=case["mode"], perturb_budget=3)
-        settings = {k: v for k, v in case.items() if k not in ("outcome", "mode")}
-        worker = build_worker(model_dir, **settings)
-        engine = worker.actor.engine
-        for p in engine.module.parameters():  # a real optimizer step: state and .grad to protect
-            p.grad = torch.ones_like(p) * 1e-3
-        engine.optimizer.step()
-        before = snapshot(engine)
+    saved = list(base.PROMPTS), list(base.RESPONSES)  # run() swaps the shared batch; restored for later checks
+    try:
+        temperature = 0.8
+        for case in cases:
+            oar = dict(outcome=case["outcome"], perturb_mode=case["mode"], perturb_budget=3)
+            settings = {k: v for k, v in case.items() if k not in ("outcome", "mode")}
+            worker = build_worker(model_dir, **settings)
+            engine = worker.actor.engine
+            for p in engine.module.parameters():  # a real optimizer step: state and .grad to protect
+                p.grad = torch.ones_like(p) * 1e-3
+            engine.optimizer.step()
+            before = snapshot(engine)
 
-        def run(select=range(len(all_prompts))):
-            base.PROMPTS[:] = [all_prompts[i] for i in select]
-            base.RESPONSES[:] = [all_responses[i] for i in select]
-            data, prompts, responses = make_batch(tokenizer, oar, step=1)
-            tu.assign_non_tensor(data, oar_method="perturbation", temperature=temperature,
-                                 oar_config=oar, oar_step=1)
-            if len(select) != len(all_prompts):  # another micro-batch size too
-                tu.assign_non_tensor(data, micro_batch_size_per_gpu=1)
-            return worker.compute_token_importance(data), prompts, responses
+            def run(select=range(len(all_prompts))):
+                base.PROMPTS[:] = [all_prompts[i] for i in select]
+                base.RESPONSES[:] = [all_responses[i] for i in select]
+                data, prompts, responses = make_batch(tokenizer, oar, step=1)
+                tu.assign_non_tensor(data, oar_method="perturbation", temperature=temperature,
+                                     oar_config=oar, oar_step=1)
+                if len(select) != len(all_prompts):  # another micro-batch size too
+                    tu.assign_non_tensor(data, micro_batch_size_per_gpu=1)
+                return worker.compute_token_importance(data), prompts, responses
 
-        output, prompts, responses = run()
-        after = snapshot(engine)
-        alone, _, _ = run([1])  # batch composition: the second sample alone
-        reordered, _, _ = run([7, 1, 0])
-        got = [t.float() for t in output["oar_importance"].unbind()]
+            output, prompts, responses = run()
+            after = snapshot(engine)
+            alone, _, _ = run([1])  # batch composition: the second sample alone
+            reordered, _, _ = run([7, 1, 0])
+            got = [t.float() for t in output["oar_importance"].unbind()]
 
-        state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in engine.module.state_dict().items()}
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        hf.load_state_dict(state)
-        ref_dir = os.path.join(out_dir, "current")
-        hf.save_pretrained(ref_dir)
-        tokenizer.save_pretrained(ref_dir)
-        want = naive_reference(ref_dir, tokenizer, prompts, responses, oar, temperature)
+            state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in engine.module.state_dict().items()}
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            hf.load_state_dict(state)
+            ref_dir = os.path.join(out_dir, "current")
+            hf.save_pretrained(ref_dir)
+            tokenizer.save_pretrained(ref_dir)
+            want = naive_reference(ref_dir, tokenizer, prompts, responses, oar, temperature)
 
-        def maxdiff(a, b):
-            return max(float((x - y).abs().max()) for x, y in zip(a, b))
+            def maxdiff(a, b):
+                return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
-        def rows(out):
-            return [t.float() for t in out["oar_importance"].unbind()]
+            def rows(out):
+                return [t.float() for t in out["oar_importance"].unbind()]
 
-        print("CASE " + json.dumps({
-            **case,
-            "max_abs_err": maxdiff(got, want),
-            "scale": max(float(w.abs().max()) for w in want),
-            "alone_err": maxdiff(rows(alone), [got[1]]),
-            "reordered_err": maxdiff(rows(reordered), [got[7], got[1], got[0]]),
-            "state_unchanged": same(before, after),
-            "answers_found": int(sum(int(a.any()) for a in output["oar_answer_mask"].unbind())),
-            "nonzero_rows": int(sum(int(g.abs().sum() > 0) for g in got)),
-            "distinct_values": [int(torch.unique(g[g != 0]).numel()) for g in got],
-            "copies": output["oar_perturb_copies"].tolist(),
-            "passes": output["oar_perturb_passes"].tolist(),
-            "peak_tokens": output["oar_perturb_peak_tokens"].tolist(),
-            "lengths": [len(p) + len(r) for p, r in zip(prompts, responses)],
-        }), flush=True)
-        del worker
+            print("CASE " + json.dumps({
+                **case,
+                "max_abs_err": maxdiff(got, want),
+                "scale": max(float(w.abs().max()) for w in want),
+                "alone_err": maxdiff(rows(alone), [got[1]]),
+                "reordered_err": maxdiff(rows(reordered), [got[7], got[1], got[0]]),
+                "state_unchanged": same(before, after),
+                "answers_found": int(sum(int(a.any()) for a in output["oar_answer_mask"].unbind())),
+                "nonzero_rows": int(sum(int(g.abs().sum() > 0) for g in got)),
+                "distinct_values": [int(torch.unique(g[g != 0]).numel()) for g in got],
+                "copies": output["oar_perturb_copies"].tolist(),
+                "passes": output["oar_perturb_passes"].tolist(),
+                "peak_tokens": output["oar_perturb_peak_tokens"].tolist(),
+                "lengths": [len(p) + len(r) for p, r in zip(prompts, responses)],
+            }), flush=True)
+            del worker
+    finally:
+        base.PROMPTS[:], base.RESPONSES[:] = saved
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ input, and the renderer on awkward tokens."""
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -207,6 +208,83 @@ def test_rollouts_jsonl_verl_dump(model_dir, loaded, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
+# CSCR and OPPO: re-scored under rewritten prompts, against a per-token plain reference
+# ---------------------------------------------------------------------------------------------------
+
+
+def per_token_log_probs(model, prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:
+    """One forward per response token (no batching, no gather over a sequence): the plain reference."""
+    out = []
+    for t, token in enumerate(response_ids):
+        ids = torch.tensor([prompt_ids + response_ids[:t]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1].double() / temperature
+        out.append(float(torch.log_softmax(logits, -1)[token]))
+    return out
+
+
+def rendered(tokenizer, text: str) -> list[int]:
+    return templated_ids(tokenizer, text)
+
+
+@pytest.fixture(scope="module")
+def privileged_run(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("heatmap_privileged")
+    return main(["--model", str(model_dir), "--prompt", PROMPT, "--response", RESPONSE, "--estimators", "cscr,oppo",
+                 "--ground-truth", "75", "--reward", "0", "--temperature", "0.7", "--device", "cpu", "--out", str(out)])
+
+
+def test_cscr_sensitivity_and_weights_equal_a_per_token_reference(privileged_run, loaded):
+    from verl_oar.core.privileged_prompt import CSCR_NEGATIVE, CSCR_POSITIVE
+
+    model, tokenizer = loaded
+    row = privileged_run["rows"][0]
+    response = row["response_ids"]
+    base = per_token_log_probs(model, rendered(tokenizer, PROMPT), response, 0.7)
+    pos = per_token_log_probs(model, rendered(tokenizer, CSCR_POSITIVE.replace("{question}", PROMPT)), response, 0.7)
+    neg = per_token_log_probs(model, rendered(tokenizer, CSCR_NEGATIVE.replace("{question}", PROMPT)), response, 0.7)
+    sens = [max(abs(p - b), abs(n - b)) for p, n, b in zip(pos, neg, base)]
+    assert row["signed_scores"]["cscr"] == pytest.approx(sens, abs=1e-5)
+    tau = float(torch.quantile(torch.tensor(sens, dtype=torch.float64), 0.8))  # the defaults: quantile 0.8, alpha 1, floor 0.3
+    raw = [max(0.3, math.exp(-(s - tau))) if s > tau else 1.0 for s in sens]
+    weights = [w * len(raw) / sum(raw) for w in raw]
+    assert row["weights"]["cscr"] == pytest.approx(weights, abs=1e-5)
+    assert sum(row["weights"]["cscr"]) == pytest.approx(len(response), abs=1e-4)   # the credit budget
+
+
+def test_oppo_evidence_and_weights_equal_a_per_token_reference(privileged_run, loaded):
+    model, tokenizer = loaded
+    row = privileged_run["rows"][0]
+    response = row["response_ids"]
+    base = per_token_log_probs(model, rendered(tokenizer, PROMPT), response, 0.7)
+    oracle = per_token_log_probs(model, rendered(tokenizer, f"{PROMPT}\n\nThe correct final answer is: 75."), response, 0.7)
+    evidence = [o - b for o, b in zip(oracle, base)]
+    assert row["signed_scores"]["oppo"] == pytest.approx(evidence, abs=1e-5)
+    # reward 0 from the prior 1/2: the exact form, evidence clipped at 2, every credit anchored to <= 0
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    logit, advantages = 0.0, []
+    for e in evidence:
+        e = min(2.0, max(-2.0, e))
+        advantages.append(min(0.0, sigmoid(logit + e) - sigmoid(logit)))
+        logit += e
+    weights = [a * len(evidence) / (0.0 - 0.5) for a in advantages]
+    assert row["weights"]["oppo"] == pytest.approx(weights, abs=1e-5)
+    assert min(row["weights"]["oppo"]) >= 0 and privileged_run["config"]["reward"] == 0.0
+
+
+def test_ground_truth_from_verls_reward_model_column(model_dir, tmp_path):
+    path = tmp_path / "rollouts.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": PROMPT}]], "response": [RESPONSE],
+                  "reward_model": [{"style": "rule", "ground_truth": "75"}]}).to_parquet(path, index=False)
+    report = main(["--model", str(model_dir), "--rollouts", str(path), "--estimators", "oppo", "--device", "cpu",
+                   "--out", str(tmp_path / "out")])
+    single = main(["--model", str(model_dir), "--prompt", PROMPT, "--response", RESPONSE, "--estimators", "oppo",
+                   "--ground-truth", "75", "--device", "cpu", "--out", str(tmp_path / "out2")])
+    assert report["rows"][0]["signed_scores"]["oppo"] == pytest.approx(single["rows"][0]["signed_scores"]["oppo"], abs=1e-6)
+    assert "w~ oppo" in (tmp_path / "out" / "heatmap.html").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------
 # bad input: a message naming the problem, no stack trace
 # ---------------------------------------------------------------------------------------------------
 
@@ -231,10 +309,18 @@ def rollouts_jsonl(tmp_path):
          "no_such_module_xyz"),
         (["--prompt", PROMPT, "--response", RESPONSE, "--oracle", "pick_max"], "give MODULE:FUNCTION"),
         (["--prompt", PROMPT, "--response", RESPONSE, "--oracle", "no_such_module_xyz:f"], "cannot load it"),
+        (["--prompt", PROMPT, "--response", RESPONSE, "--estimators", "oppo"], "needs the reference answer"),
+        (["--prompt", PROMPT, "--response", RESPONSE, "--estimators", "oppo", "--ground-truth", "7", "--reward", "2"],
+         r"--reward 2.0: .* in \[0, 1\]"),
+        (["--rollouts", "{dump}", "--estimators", "cscr"], "holds the prompt after the chat template"),
+        (["--rollouts", "{file}", "--prompt-key", "question", "--response-key", "answer_text", "--estimators", "oppo"],
+         "no column 'ground_truth' / 'reward_model' / 'gts'"),
     ],
 )
 def test_bad_input(model_dir, rollouts_jsonl, capsys, args, message):
-    args = [a.replace("{file}", str(rollouts_jsonl)) for a in args]
+    dump = rollouts_jsonl.parent / "dump.jsonl"
+    dump.write_text(json.dumps({"input": "user\nsum: 1 2\nassistant\n", "output": "1 +2=3 \\boxed{3}"}) + "\n")
+    args = [a.replace("{file}", str(rollouts_jsonl)).replace("{dump}", str(dump)) for a in args]
     with pytest.raises(SystemExit, match=message) as info:
         main(["--model", str(model_dir), "--device", "cpu", "--out", str(rollouts_jsonl.parent / "out"), *args])
     assert str(info.value.code).startswith("verl_oar.tools.heatmap: ")

@@ -91,6 +91,12 @@ def test_oppo_estimator_is_the_value_recursion_over_the_evidence():
                                OPPOConfig(form="first_order")).advantages
     torch.testing.assert_close(adv, expected)
     assert signals.metrics["oppo/sign_violations"] == 0
+    # w~ (dumps, heatmaps): A_t * T / (R - V_0) per row, 0 where R = V_0
+    prior = signals.artifacts["values"][:, 0].double()
+    for row in range(len(mask)):
+        gap, length = float(rewards[row].sum() - prior[row]), float(mask[row].sum())
+        want = adv[row] * length / gap if abs(gap) > 1e-6 else torch.zeros_like(adv[row])
+        torch.testing.assert_close(signals.artifacts["weights"][row], want.float(), atol=1e-5, rtol=1e-5)
     with provide(TokenSignals(tensors={"oppo_evidence": evidence, "oppo_scored": torch.ones_like(mask, dtype=torch.long)})):
         with pytest.raises(ValueError, match="Valid keys"):
             get_adv_estimator_fn("oppo")(rewards, mask, index, config={"oppo": {"forms": "exact"}})
@@ -115,3 +121,118 @@ def test_bad_configurations_stop_the_run_at_start_up_with_the_fix(estimator, ext
     good = compose_ppo_config(cpu_overrides("/ws", adv_estimator=estimator))
     assert [p.name for p in check_token_signals_supported(good, "sync")] == [
         {"cscr": "cscr_shifts", "oppo": "oppo_evidence"}[estimator]]
+
+
+# --- the pass's rows (integration.privileged_signal.privileged_rows), on a character "tokenizer" ---------------
+
+
+def _chars(messages) -> list[int]:
+    """A stand-in for verl's token builder: one id per character of 'role:content|' per message."""
+    return [ord(c) for m in messages for c in f"{m['role']}:{m['content']}|"]
+
+
+def _rows(templates, responses, *, limit=float("inf"), overflow="truncate", padding=None, answers=None):
+    from verl_oar.integration.privileged_signal import RescoreStats, privileged_rows
+
+    n = len(responses)
+    messages = [[{"role": "user", "content": f"q{i}"}] for i in range(n)]
+    prompts = [torch.tensor(_chars(m)) for m in messages]
+    responses = [torch.tensor(r, dtype=torch.long) for r in responses]
+    stats = RescoreStats()
+    built = privileged_rows(templates, [f"k{i}" for i in range(n)], messages, prompts, responses,
+                            [torch.ones_like(r) for r in responses], answers or ["7"] * n, padding or [False] * n,
+                            _chars, limit, overflow, stats)
+    return built, stats, prompts
+
+
+def test_rows_are_template_major_with_the_rewritten_prompt_then_the_response():
+    built, stats, prompts = _rows(["{question}", "{question} A={answer}"], [[1, 2, 3], [4]], answers=["7", "8"])
+    assert built.keys == ["t0/k0", "t0/k1", "t1/k0", "t1/k1"] and built.scored == [True] * 4
+    assert torch.equal(built.rows[0]["prompts"], prompts[0])                     # identity: the rollout's prompt
+    assert bytes(built.rows[3]["prompts"].tolist()).decode() == "user:q1 A=8|"   # the answer filled in
+    for row in built.rows:
+        assert torch.equal(row["input_ids"], torch.cat([row["prompts"], row["responses"]]))
+        assert torch.equal(row["position_ids"], torch.arange(len(row["input_ids"])))
+    assert [t["seq_len"] for t in built.tags] == [len(r["input_ids"]) for r in built.rows]
+    assert stats.rows == 4 and stats.prompt_tokens_added == [0, 0, 4, 4] and stats.truncated == stats.skipped == 0
+
+
+def test_rows_past_the_context_are_truncated_from_the_left_or_skipped_and_counted():
+    long = "{question} " + "x" * 40
+    built, stats, _ = _rows([long], [[1, 2, 3], [4, 5]], limit=20)
+    assert [len(r["input_ids"]) for r in built.rows] == [20, 20] and built.scored == [True, True]
+    assert bytes(built.rows[0]["prompts"].tolist()).decode().endswith("xxxx|")  # the left end was cut
+    assert stats.truncated == 2 and stats.skipped == 0
+    built, stats, prompts = _rows([long], [[1, 2, 3], [4, 5]], limit=20, overflow="skip")
+    assert built.scored == [False, False] and stats.skipped == 2 and stats.truncated == 0
+    assert torch.equal(built.rows[1]["prompts"], prompts[1])  # scored on the rollout prompt, its result unused
+    built, stats, _ = _rows([long], [list(range(1, 25))], limit=20)  # the response alone fills the context
+    assert built.scored == [False] and stats.skipped == 1
+
+
+def test_padding_rows_keep_their_prompt_and_an_empty_response_is_a_row_of_its_own():
+    built, stats, prompts = _rows(["{question} {answer}"], [[], [9]], padding=[False, True], answers=["5", None])
+    assert len(built.rows[0]["responses"]) == 0 and len(built.rows[0]["input_ids"]) == len(built.rows[0]["prompts"])
+    assert torch.equal(built.rows[1]["prompts"], prompts[1]) and built.tags[1]["is_padding"]
+    assert stats.prompt_tokens_added == [2]  # padding rows are not rewritten, nor counted
+
+
+# --- OPPO's teacher oracle: keys and start-up refusals (integration.teacher.check_teacher) ---------------------
+
+
+def test_teacher_keys_are_checked():
+    from verl_oar.core.oppo import OPPOConfig
+
+    cfg = OPPOConfig.from_algorithm({"oppo": {"oracle": "teacher", "teacher": {"path": "/models/t"}}})
+    assert cfg.teacher_path == "/models/t" and OPPOConfig().teacher_path is None
+    for node, needle in (({"oracle": "teacher"}, "needs the teacher model"), ({"teacher": {"path": "t"}}, "oracle=self ignores it"),
+                         ({"oracle": "teacher", "teacher": {"path": "t", "tp": 2}}, "Valid keys: path"),
+                         ({"oracle": "tutor"}, "one of \\('self', 'teacher'\\)")):
+        with pytest.raises(ValueError, match=needle):
+            OPPOConfig.from_algorithm({"oppo": node})
+
+
+def _save_teacher(root, tokenizer, vocab_size=None):
+    from transformers import Qwen2Config
+
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(root)
+    Qwen2Config(vocab_size=vocab_size or len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96).save_pretrained(root)
+    return root
+
+
+def test_a_teacher_that_cannot_score_the_actors_ids_stops_the_run_at_start_up(tmp_path):
+    from _verl_config import compose_ppo_config
+
+    from verl_oar.cpu.overrides import cpu_overrides
+    from verl_oar.cpu.workspace import build_tokenizer
+    from verl_oar.integration import privileged_estimators  # noqa: F401
+    from verl_oar.integration.validate import check_token_signals_supported
+
+    ws = tmp_path / "ws"
+    build_tokenizer().save_pretrained(ws / "model")
+    good = _save_teacher(tmp_path / "good", build_tokenizer())
+    extra = build_tokenizer()
+    extra.add_tokens(["<extra_token>"])
+    other_eos = build_tokenizer()
+    other_eos.eos_token = other_eos.pad_token
+    cases = [
+        (_save_teacher(tmp_path / "vocab", extra), [], "vocabulary differs"),
+        (_save_teacher(tmp_path / "small", build_tokenizer(), vocab_size=8), [], "embedding has 8 rows"),
+        (tmp_path / "missing", [], "cannot load its tokenizer and config"),
+        (good, ["actor_rollout_ref.actor.strategy=megatron"], "not supported for it yet"),
+    ]
+    for path, extra_overrides, needle in cases:
+        config = compose_ppo_config(cpu_overrides(str(ws), adv_estimator="oppo") + extra_overrides + [
+            "+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={path}"])
+        with pytest.raises(ValueError, match=needle):
+            check_token_signals_supported(config, "sync")
+    # another eos (an Instruct teacher of a base actor) is fine: the teacher only scores given ids
+    check_token_signals_supported(compose_ppo_config(cpu_overrides(str(ws), adv_estimator="oppo") + [
+        "+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={_save_teacher(tmp_path / 'eos', other_eos)}"]), "sync")
+    config = compose_ppo_config(cpu_overrides(str(ws), adv_estimator="oppo") + [
+        "+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={good}"])
+    (provider,) = check_token_signals_supported(config, "sync")
+    provider.attach(config)  # what the trainer does before verl builds the workers
+    assert config.actor_rollout_ref.oar_teacher.path == str(good)

@@ -24,17 +24,21 @@ MODELS = {"1_5b": "Qwen/Qwen2.5-Math-1.5B", "7b": "Qwen/Qwen2.5-Math-7B"}
 ESTIMATORS = ("grpo", "oar_g", "oar_p", "cscr", "oppo")
 TOKEN_ESTIMATORS = ESTIMATORS[1:]
 ENGINES = ("", "_megatron")
+EXTRA_RECIPES = ("qwen2_5_math_1_5b_oppo_teacher",)
+"""beyond the model x estimator x engine grid: OPPO's teacher oracle (1.5B actor, 7B-Instruct teacher; FSDP2)"""
+TEACHER_ENGINE_KEYS = {"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "actor_rollout_ref.ref.fsdp_config.param_offload"}
+"""the teacher is built with the reference model's engine settings: the teacher recipe sets these for a 7B teacher"""
 
 
 def test_there_is_a_recipe_per_model_estimator_and_engine_each_with_a_script():
-    expected = sorted(f"qwen2_5_math_{m}_{e}{g}" for m in MODELS for e in ESTIMATORS for g in ENGINES)
+    expected = sorted([f"qwen2_5_math_{m}_{e}{g}" for m in MODELS for e in ESTIMATORS for g in ENGINES] + list(EXTRA_RECIPES))
     assert RECIPES == expected
     for name in RECIPES:
         assert os.access(RECIPES_DIR / f"run_{name}.sh", os.X_OK), name
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_composes_and_passes_verls_validation_and_oars_startup_checks(name):
+def test_recipe_composes_and_passes_verls_validation_and_oars_startup_checks(name, monkeypatch):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
@@ -45,7 +49,15 @@ def test_recipe_composes_and_passes_verls_validation_and_oars_startup_checks(nam
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # what the workers build
     omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    teachers = []
+    if config.algorithm.get("oppo", {}).get("oracle", "self") == "teacher":
+        # the teacher's tokenizer check loads both models' files from the hub, which tests cannot reach;
+        # the check itself runs on local files in test_privileged_on_cpu.py
+        from verl_oar.integration import privileged_signal
+
+        monkeypatch.setattr(privileged_signal, "check_teacher", lambda config, path: teachers.append(path))
     providers = check_token_signals_supported(config, "sync")  # every start-up check of the estimator's signals
+    assert teachers == ([config.algorithm.oppo.teacher.path] if "teacher" in name else [])
     assert bool(providers) == (config.algorithm.adv_estimator != "grpo")
     assert need_reference_policy(config) and not need_critic(config)
 
@@ -78,6 +90,8 @@ def test_recipe_mirrors_deepseek_r1_style_grpo_as_verl_runs_it(name):
         from verl_oar.core.oppo import OPPOConfig
 
         default = (CSCRConfig if c.algorithm.adv_estimator == "cscr" else OPPOConfig)()
+        if name.endswith("_oppo_teacher"):
+            default = OPPOConfig(oracle="teacher", teacher={"path": "Qwen/Qwen2.5-Math-7B-Instruct"})
         assert OmegaConf.to_container(c.algorithm[c.algorithm.adv_estimator]) == default.to_dict()
 
 
@@ -108,6 +122,12 @@ def test_every_methods_recipe_differs_from_grpos_only_in_algorithm(model, engine
             "algorithm.adv_estimator"}
         assert "trainer.experiment_name" in derived
         assert oar["algorithm.adv_estimator"] == estimator
+    for name in (n for n in EXTRA_RECIPES if f"_{model}_" in n and n.endswith(engine or "teacher")):
+        other = _flat(_composed(name))
+        changed = {k for k in grpo.keys() | other.keys() if grpo.get(k, "<absent>") != other.get(k, "<absent>")}
+        derived = {k for k in changed if grpo["trainer.experiment_name"] in str(grpo.get(k))}
+        assert {k for k in changed - derived if not k.startswith("algorithm.oppo.")} == {
+            "algorithm.adv_estimator", *TEACHER_ENGINE_KEYS}
 
 
 def test_recipe_overrides_on_the_command_line_need_no_plus():
@@ -165,10 +185,13 @@ def test_the_cpu_copies_cover_every_fsdp2_oar_recipes_settings():
     that the reference-model run (``REF_MODEL_RUN``, test_bf16_e2e_on_cpu.py) sets."""
     from _e2e import RECIPE_CPU_COPIES, REF_MODEL_RUN
 
-    from verl_oar.cpu.recipe import recipe_cpu_overrides
+    from verl_oar.cpu.recipe import has_teacher, recipe_cpu_overrides
 
     names = [n for n in RECIPES if not n.endswith(("_megatron", "_grpo"))]
-    copies = {n: _flat(compose_recipe(n, recipe_cpu_overrides("/ws", steps=2, experiment_name="x"))) for n in names}
+    copies = {n: _flat(compose_recipe(n, recipe_cpu_overrides("/ws", steps=2, experiment_name="x", teacher=has_teacher(n))))
+              for n in names}
+    assert [n for n in names if has_teacher(n)] == ["qwen2_5_math_1_5b_oppo_teacher"]
+    assert copies["qwen2_5_math_1_5b_oppo_teacher"]["algorithm.oppo.teacher.path"] == "/ws/model"
     assert set(RECIPE_CPU_COPIES) <= set(copies)
     for name, c in copies.items():
         step_tokens = c["data.train_batch_size"] * c["actor_rollout_ref.rollout.n"] * (

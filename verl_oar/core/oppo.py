@@ -38,6 +38,7 @@ from verl_oar.core.privileged_prompt import OPPO_ORACLE, OVERFLOWS, check_templa
 __all__ = ["OPPOConfig", "OPPOResult", "group_ids", "oppo_advantages", "oppo_stats"]
 
 CHOICES = {
+    "oracle": ("self", "teacher"),
     "prior": ("group", "half"),
     "form": ("exact", "first_order"),
     "state_weight": ("tracked", "constant"),
@@ -45,6 +46,8 @@ CHOICES = {
     "anchor": ("clamp", "abs", "none"),
     "scale": ("none", "group_std"),
 }
+TEACHER_KEYS = ("path",)
+"""keys of ``algorithm.oppo.teacher``"""
 STD_EPS = 1e-6
 """GRPO's epsilon in verl (``compute_grpo_outcome_advantage``)"""
 
@@ -76,6 +79,12 @@ class OPPOConfig:
     overflow: str = "truncate"
     """an oracle prompt + response longer than the model's context: ``truncate`` the prompt from the left
     or ``skip`` the row (its evidence is 0); both counted"""
+    oracle: str = "self"
+    """who scores the evidence: ``self`` (the actor at the rollout's weights: the oracle prompt's log-probs
+    minus ``old_log_probs``) or ``teacher`` (a frozen model: both terms under it)"""
+    teacher: Mapping[str, Any] | None = None
+    """``oracle=teacher``: ``{path: <model directory or hub id>}`` (``+algorithm.oppo.teacher.path=...``); its
+    tokenizer must have the actor's vocabulary"""
 
     def __post_init__(self) -> None:
         for key, choices in CHOICES.items():
@@ -90,6 +99,23 @@ class OPPOConfig:
             raise ValueError(f"algorithm.oppo.overflow={self.overflow!r} is invalid: one of {OVERFLOWS}.")
         if not isinstance(self.zero_uniform_groups, bool):
             raise ValueError(f"algorithm.oppo.zero_uniform_groups={self.zero_uniform_groups!r} is invalid: true or false.")
+        teacher = dict((self.teacher or {}).items())
+        object.__setattr__(self, "teacher", teacher or None)
+        unknown = sorted(set(teacher) - set(TEACHER_KEYS))
+        if unknown:
+            raise ValueError(f"Unknown key(s) algorithm.oppo.teacher.{', algorithm.oppo.teacher.'.join(unknown)}. "
+                             f"Valid keys: {', '.join(TEACHER_KEYS)} (docs/algo/oppo.md).")
+        if self.oracle == "teacher" and not (isinstance(teacher.get("path"), str) and teacher["path"]):
+            raise ValueError("algorithm.oppo.oracle=teacher needs the teacher model: set "
+                             "+algorithm.oppo.teacher.path=<model directory or hub id> (e.g. Qwen/Qwen2.5-Math-7B-Instruct).")
+        if self.oracle == "self" and teacher:
+            raise ValueError(f"algorithm.oppo.teacher={teacher} is set but algorithm.oppo.oracle=self ignores it: add "
+                             "+algorithm.oppo.oracle=teacher, or drop the teacher keys.")
+
+    @property
+    def teacher_path(self) -> str | None:
+        """the teacher's model path (``oracle=teacher``), else None"""
+        return self.teacher["path"] if self.oracle == "teacher" else None
 
     @classmethod
     def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OPPOConfig":

@@ -45,11 +45,21 @@ GPU_ONLY = (
 """what a recipe has and its CPU copy does not run"""
 
 
-def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experiment_name: str) -> list[str]:
-    """Overrides appended after a recipe's own, turning it into a CPU run over the CPU workspace."""
+def has_teacher(recipe: str, recipes_dir: Path = RECIPES_DIR) -> bool:
+    """Whether the recipe's own YAML sets OPPO's teacher oracle (its CPU copy then needs a local teacher)."""
+    from omegaconf import OmegaConf
+
+    own = OmegaConf.load(recipes_dir / "config" / f"{recipe}.yaml")
+    return OmegaConf.select(own, "algorithm.oppo.oracle", default="self") == "teacher"
+
+
+def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experiment_name: str,
+                         teacher: bool = False) -> list[str]:
+    """Overrides appended after a recipe's own, turning it into a CPU run over the CPU workspace (``teacher``:
+    OPPO's teacher becomes the workspace model, i.e. the actor's starting weights)."""
     ws = Path(workspace_dir).expanduser().resolve()
     fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
-    return [
+    return ([f"algorithm.oppo.teacher.path={ws / 'model'}"] if teacher else []) + [
         # --- sizes: workspace model and data, short sequences, 2 prompts in 2 mini-batches ---
         f"actor_rollout_ref.model.path={ws / 'model'}",
         f"data.train_files={ws / 'data' / 'train.parquet'}",
@@ -120,7 +130,8 @@ def run(
     ws = build_workspace(workdir)
     experiment_name = experiment_name or f"cpu_{recipe}"
     script = recipes_dir / f"run_{recipe}.sh"
-    cmd = ["bash", str(script), *recipe_cpu_overrides(ws.root, steps=steps, experiment_name=experiment_name)]
+    cmd = ["bash", str(script), *recipe_cpu_overrides(ws.root, steps=steps, experiment_name=experiment_name,
+                                                      teacher=has_teacher(recipe, recipes_dir))]
     cmd += list(extra_overrides or [])
     os.environ.setdefault("PYTHON", sys.executable)  # launch.sh's interpreter: this environment's
     os.environ.setdefault("DATA_DIR", str(ws.root / "data"))

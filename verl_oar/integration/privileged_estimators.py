@@ -91,6 +91,12 @@ def compute_oppo_advantage(token_level_rewards: torch.Tensor, response_mask: tor
     signals.metrics.update(stats)
     grpo = grpo_advantage(token_level_rewards, response_mask, index, epsilon,
                           bool((config or {}).get("norm_adv_by_std_in_grpo", True)))
+    # w~ for heatmaps and the testbed: each token's credit relative to spreading R - V_0 evenly over the
+    # response (1 = GRPO's even credit); 0 on rows with R = V_0 (no direction)
+    gap = (rewards - result.prior)[:, None]
+    length = response_mask.sum(-1, keepdim=True).float()
+    weights = torch.where(gap != 0, advantages * length / torch.where(gap != 0, gap, torch.ones_like(gap)),
+                          torch.zeros_like(advantages)) * response_mask
     signals.artifacts.update(grpo_advantages=grpo, advantages=advantages, rewards=rewards, groups=groups,
-                             values=result.values)
+                             values=result.values, weights=weights)
     return advantages, advantages

@@ -37,6 +37,7 @@ from verl_oar.core.cscr import CSCRConfig
 from verl_oar.core.oppo import OPPOConfig
 from verl_oar.core.privileged_prompt import ground_truth, rewrite_messages
 from verl_oar.integration.signals import register_token_signal
+from verl_oar.integration.teacher import attach_teacher, check_teacher
 
 PARTITION = "verl_oar_privileged"
 """TransferQueue partition of the re-scored rows (never "train"/"val": verl's replay buffer reads those)"""
@@ -91,6 +92,19 @@ def _model_facts(trainer) -> tuple[str | None, int]:
     return trainer._verl_oar_model_facts
 
 
+def _teacher_limit(trainer) -> float:
+    """The teacher's context (``max_position_embeddings``; inf when its config has none), read once."""
+    cached = getattr(trainer, "_verl_oar_teacher_limit", None)
+    if cached is None:
+        from transformers import AutoConfig
+
+        path = OPPOConfig.from_algorithm(trainer.config.algorithm).teacher_path
+        remote = bool(trainer.config.actor_rollout_ref.model.get("trust_remote_code", False))
+        cached = getattr(AutoConfig.from_pretrained(path, trust_remote_code=remote), "max_position_embeddings", None) or math.inf
+        trainer._verl_oar_teacher_limit = cached
+    return cached
+
+
 def _token_builder(trainer):
     """verl's rollout token builder for this model (what the agent loop renders prompts with)."""
     builder = getattr(trainer, "_verl_oar_token_builder", None)
@@ -109,15 +123,71 @@ def _rows(data, name: str) -> list:
     return list(value.unbind()) if isinstance(value, torch.Tensor) else list(value)
 
 
-def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreStats) -> list[Rescored]:
-    """Steps 1-4 of the module docstring for ``templates``; one ``compute_log_prob`` call in all."""
+@dataclass
+class PrivilegedRows:
+    """The rows of one re-scoring pass, template-major: row ``j * n + i`` is template j on batch row i."""
+
+    keys: list[str]
+    rows: list[dict]
+    """per row: ``prompts``, ``responses``, ``response_mask``, ``loss_mask``, ``input_ids``, ``position_ids``
+    (1-D long tensors, no padding: verl's nested layout)"""
+    tags: list[dict]
+    scored: list[bool]
+
+
+def privileged_rows(
+    templates: list[str | None], keys: list[str], messages: list, prompts: list[torch.Tensor], responses: list[torch.Tensor],
+    masks: list[torch.Tensor], answers: list[str | None], padding: list[bool], build_tokens, limit: float,
+    overflow: str, stats: RescoreStats,
+) -> PrivilegedRows:
+    """Step 2 of the module docstring: each row's rewritten prompt (``build_tokens(messages) -> ids``, the
+    rollout's token builder; template None: the rollout's own prompt ids), followed by its response; over
+    ``limit`` tokens it is truncated from the left (``overflow="truncate"``) or skipped (scored on its
+    rollout prompt, ``scored`` False), counted in ``stats``. Padding rows keep their rollout prompt."""
+    out = PrivilegedRows([], [], [], [])
+    for j, template in enumerate(templates):
+        for i, key in enumerate(keys):
+            response = responses[i]
+            ok = True
+            if padding[i]:
+                prompt = prompts[i]
+            else:
+                if template is None:
+                    prompt = prompts[i]
+                else:
+                    ids = build_tokens(rewrite_messages(list(messages[i]), template, answers[i] or ""))
+                    prompt = torch.as_tensor(ids, dtype=torch.long)
+                    stats.prompt_tokens_added.append(len(prompt) - len(prompts[i]))
+                room = limit - len(response)
+                if len(prompt) > room:
+                    if overflow == "skip" or room < 1:
+                        ok, prompt = False, prompts[i]  # scored as the rollout's own prompt; the result is not used
+                        stats.skipped += 1
+                    else:
+                        prompt = prompt[-int(room):]
+                        stats.truncated += 1
+            input_ids = torch.cat([prompt, response])
+            out.keys.append(f"t{j}/{key}")
+            out.rows.append({"prompts": prompt, "responses": response, "response_mask": masks[i], "loss_mask": masks[i],
+                             "input_ids": input_ids, "position_ids": torch.arange(len(input_ids), dtype=torch.long)})
+            out.tags.append({"seq_len": len(input_ids), "is_padding": padding[i]})
+            out.scored.append(ok)
+    stats.rows += len(out.rows)
+    return out
+
+
+def rescore(trainer, batch, templates: list[str | None], overflow: str, stats: RescoreStats,
+            teacher: bool = False) -> list[Rescored]:
+    """Steps 1-4 of the module docstring for ``templates`` (None: the rollout's prompt); one call in all:
+    the actor's ``compute_log_prob``, or with ``teacher`` OPPO's frozen teacher (``compute_teacher_log_prob``,
+    and the context limit is the smaller of the two models')."""
     import transfer_queue as tq
     from transfer_queue import KVBatchMeta
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
     from verl.workers.utils.padding import response_from_nested
 
     started = time.perf_counter()
-    needs_answer = any("{answer}" in t for t in templates)
+    needs_answer = any(t is not None and "{answer}" in t for t in templates)
     fields = ["raw_prompt", "prompts", "responses", "response_mask", "old_log_probs"] + (["reward_model"] if needs_answer else [])
     src = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
     messages, prompts = _rows(src, "raw_prompt"), _rows(src, "prompts")
@@ -128,44 +198,22 @@ def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreS
         rms = _rows(src, "reward_model")
         answers = [None if pad else ground_truth(rm) for rm, pad in zip(rms, padding, strict=True)]
     _, limit = _model_facts(trainer)
-    builder = _token_builder(trainer)
-
-    keys, rows, tags, scored = [], [], [], []
-    for j, template in enumerate(templates):
-        for i, key in enumerate(batch.keys):
-            response = responses[i]
-            ok = True
-            if padding[i]:
-                prompt = prompts[i]
-            else:
-                ids = builder.build_initial_tokens(rewrite_messages(list(messages[i]), template, answers[i] or ""))
-                prompt = torch.as_tensor(ids, dtype=torch.long)
-                stats.prompt_tokens_added.append(len(prompt) - len(prompts[i]))
-                room = limit - len(response)
-                if len(prompt) > room:
-                    if overflow == "skip" or room < 1:
-                        ok, prompt = False, prompts[i]  # scored as the rollout's own prompt; the result is not used
-                        stats.skipped += 1
-                    else:
-                        prompt = prompt[-int(room):]
-                        stats.truncated += 1
-            input_ids = torch.cat([prompt, response])
-            keys.append(f"t{j}/{key}")
-            rows.append({"prompts": prompt, "responses": response, "response_mask": masks[i], "loss_mask": masks[i],
-                         "input_ids": input_ids, "position_ids": torch.arange(len(input_ids), dtype=torch.long)})
-            tags.append({"seq_len": len(input_ids), "is_padding": padding[i]})
-            scored.append(ok)
-    stats.rows += len(rows)
+    if teacher:
+        limit = min(limit, _teacher_limit(trainer))
+    built = privileged_rows(templates, list(batch.keys), messages, prompts, responses, masks, answers, padding,
+                            _token_builder(trainer).build_initial_tokens, limit, overflow, stats)
+    keys, tags, scored = built.keys, built.tags, built.scored
     meta_keys = keys
     try:
-        tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=list_of_dict_to_tensordict(rows), tags=tags)
+        tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=list_of_dict_to_tensordict(built.rows), tags=tags)
         meta = KVBatchMeta(keys=keys, tags=tags, partition_id=PARTITION, extra_info={
             "calculate_entropy": False, "compute_loss": False,
             "temperature": trainer.config.actor_rollout_ref.rollout.temperature,
         })
         meta = trainer._balance_batch(meta, metrics={}, logging_prefix="verl_oar_privileged_seqlen")
         meta_keys = list(meta.keys)
-        output = trainer.actor_rollout_wg.compute_log_prob(meta)
+        score = trainer.actor_rollout_wg.compute_teacher_log_prob if teacher else trainer.actor_rollout_wg.compute_log_prob
+        output = score(meta)
         if len(output) != len(meta):
             raise RuntimeError(f"privileged re-scoring: compute_log_prob returned {len(output)} rows for {len(meta)}")
         got = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=["log_probs", "response_mask"])
@@ -215,6 +263,17 @@ def validate_privileged(config) -> None:
         raise ValueError(f"algorithm.adv_estimator={name} needs per-token log-probs at the rollout temperature from "
                          "verl's log-prob pass; actor_rollout_ref.model.use_fused_kernels=True is not supported here. "
                          "Set actor_rollout_ref.model.use_fused_kernels=False.")
+    if name == "oppo":
+        path = OPPOConfig.from_algorithm(config.algorithm).teacher_path
+        if path is not None:
+            check_teacher(config, path)
+
+
+def attach_oppo_teacher(config) -> None:
+    """Start-up, before verl builds the workers: give them OPPO's teacher to load (``oracle=teacher``)."""
+    path = OPPOConfig.from_algorithm(config.algorithm).teacher_path
+    if path is not None:
+        attach_teacher(config, path)
 
 
 @register_token_signal("cscr_shifts", fields=CSCR_FIELDS, validate=validate_privileged)
@@ -229,12 +288,20 @@ def compute_cscr_shifts(trainer, batch, metrics: dict) -> None:
     metrics.update(stats.metrics("cscr"))
 
 
-@register_token_signal("oppo_evidence", fields=OPPO_FIELDS, validate=validate_privileged)
+@register_token_signal("oppo_evidence", fields=OPPO_FIELDS, validate=validate_privileged, attach=attach_oppo_teacher)
 def compute_oppo_evidence(trainer, batch, metrics: dict) -> None:
-    """``oppo_evidence``: log pi(y_t | x + oracle(y*), y_<t) - old_log_prob_t (nats, the self-oracle);
+    """``oppo_evidence`` (nats): self-oracle, log pi(y_t | x + oracle(y*), y_<t) - old_log_prob_t; teacher,
+    log pi_T(y_t | x + oracle(y*), y_<t) - log pi_T(y_t | x, y_<t), both rows in one teacher call.
     ``oppo_scored`` 1 on rows that were re-scored (0: skipped, evidence 0)."""
     cfg = OPPOConfig.from_algorithm(trainer.config.algorithm)
     stats = RescoreStats()
-    (oracle,) = rescore(trainer, batch, [cfg.template], cfg.overflow, stats)
+    if cfg.oracle == "teacher":
+        base, hinted = rescore(trainer, batch, [None, cfg.template], cfg.overflow, stats, teacher=True)
+        scored = [a and b for a, b in zip(base.scored, hinted.scored, strict=True)]
+        # both shifts are relative to old_log_probs, which cancel: lp_T(x') - lp_T(x)
+        evidence = [(h - b) if ok else torch.zeros_like(h) for h, b, ok in zip(hinted.shifts, base.shifts, scored, strict=True)]
+        oracle = Rescored(shifts=evidence, scored=scored)
+    else:
+        (oracle,) = rescore(trainer, batch, [cfg.template], cfg.overflow, stats)
     _put(batch, {"oppo_evidence": oracle.shifts, "oppo_scored": _scored_rows(oracle, oracle.shifts)})
     metrics.update(stats.metrics("oppo"))

@@ -51,6 +51,9 @@ class SignalProvider:
     """``guard(config) -> object with observe(step, estimator_metrics) -> metrics``, built at start-up
     and fed every step's estimator metrics: it raises to stop a run in which the signal cannot take
     effect (e.g. OAR with no locatable answers: GRPO under another name)"""
+    attach: Callable[[Any], None] | None = None
+    """``attach(config)``, called at start-up right before verl builds the workers from ``config``: add
+    what the workers need to ``config.actor_rollout_ref`` (e.g. OPPO's teacher model to load)"""
 
 
 PLUGIN_LOAD_ERROR: str | None = None
@@ -68,12 +71,13 @@ def register_token_signal(
     prepare: Callable[[Any, Any], None] | None = None,
     report: Callable[[Any, Any], dict] | None = None,
     guard: Callable[[Any], Any] | None = None,
+    attach: Callable[[Any], None] | None = None,
 ):
     """Decorator: register ``compute(trainer, batch, metrics)`` as the provider of signal ``name``."""
 
     def decorator(compute):
         SIGNALS[name] = SignalProvider(name=name, fields=tuple(fields), compute=compute, validate=validate, fuse=fuse,
-                                       prepare=prepare, report=report, guard=guard)
+                                       prepare=prepare, report=report, guard=guard, attach=attach)
         return compute
 
     return decorator

@@ -104,6 +104,9 @@ def _oar_trainer_sync(base):
 
                 ref_scores = (self.config.algorithm.get("oar", None) or {}).get("importance_model", "actor") == "ref"
                 with_oar_worker(self.role_worker_mapping, estimator_name(self.config), ref_scores=ref_scores)
+                for provider in self._token_signals:
+                    if provider.attach is not None:
+                        provider.attach(self.config)
 
         def _compute_old_log_prob(self, batch, metrics):
             for provider in self._token_signals:

@@ -83,6 +83,9 @@ def _hooks_class():
 
             ref_scores = (config.algorithm.get("oar", None) or {}).get("importance_model", "actor") == "ref"
             with_oar_worker(role_worker_mapping, self._verl_oar_estimator, ref_scores=ref_scores)
+            for provider in self.providers:
+                if provider.attach is not None:
+                    provider.attach(config)
 
         def before_old_log_prob(self, trainer, batch, metrics: dict) -> None:
             if not self._announced:  # once per run: which trainer runs the signals (the e2e test reads it)

@@ -14,14 +14,31 @@ Checked against verl 0.9.1.
 from __future__ import annotations
 
 from tensordict import TensorDict
-from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from verl_oar.engines.driver import token_importance_on_training_worker
 
 
 class OARWorkerMixin:
-    """OAR token importance (OAR-G or OAR-P) on the engines of an ``ActorRolloutRefWorker``."""
+    """OAR token importance (OAR-G or OAR-P) on the engines of an ``ActorRolloutRefWorker``, and OPPO's
+    frozen teacher beside them (``integration.teacher``)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self):
+        """verl's models, then OPPO's teacher when the trainer attached one (``actor_rollout_ref.oar_teacher``)."""
+        super().init_model()
+        from verl_oar.integration.teacher import MESH, build_teacher
+
+        self.oar_teacher = build_teacher(self)
+        if self.oar_teacher is not None:
+            self.set_dispatch_collect(mesh_name=MESH, **self.oar_teacher.get_dispatch_collect())
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="oar_teacher"))
+    def compute_teacher_log_prob(self, data: TensorDict) -> TensorDict | None:
+        """Log-probs under OPPO's frozen teacher (the same call as ``compute_log_prob``, on the teacher)."""
+        output = self.oar_teacher.infer_batch(data)
+        return output.cpu() if output is not None else None
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict | None:

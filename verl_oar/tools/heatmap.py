@@ -1,8 +1,9 @@
 """OAR token-importance heatmap of any response, from any Hugging Face causal LM and its tokenizer.
 
     python -m verl_oar.tools.heatmap --model PATH (--prompt TEXT --response TEXT | --rollouts FILE [--rows 0,3,5]
-        [--prompt-key K] [--response-key K]) [--estimators oar_g,oar_p] [--oar-p-mode exact|chunk|line]
-        [--oar-p-budget 16] [--neutral pad|space|ID] [--oracle MODULE:FUNCTION] [--chat-template | --no-chat-template]
+        [--prompt-key K] [--response-key K]) [--estimators oar_g,oar_p,cscr,oppo] [--oar-p-mode exact|chunk|line]
+        [--oar-p-budget 16] [--neutral pad|space|ID] [--ground-truth TEXT | --ground-truth-key K] [--reward 1.0]
+        [--oracle MODULE:FUNCTION] [--chat-template | --no-chat-template]
         [--temperature 1.0] [--seed 0] [--out DIR] [--dtype float32|bfloat16] [--device cpu|cuda]
 
 Writes ``heatmap_<row>.png`` per response, ``heatmap.html`` with all of them and ``heatmap.json``
@@ -24,6 +25,10 @@ Steps, per response, in the order they run:
    model allows it), logits divided by ``--temperature`` as the worker divides by the rollout's.
 4. OAR weights (``reshape.importance_to_weights`` with ``OARConfig()``'s reshape defaults) of each
    estimator's importance: what training would multiply the response's GRPO advantage by.
+   CSCR and OPPO (``--estimators cscr,oppo``; ``tools/heatmap_privileged.py`` says how, and its
+   departures): their token signal (sensitivity, evidence) as a score row and their weights as a w~ row,
+   from re-scoring the response under the rewritten prompt; OPPO needs the reference answer
+   (``--ground-truth`` or the rollouts' ``--ground-truth-key`` column) and the response's reward (``--reward``).
 5. an oracle (``main(oracle=...)`` or ``--oracle MODULE:FUNCTION``): known causal tokens per response,
    drawn under the scores; e.g. the pick_max testbed's ``verl_oar.testbed.pick_max:heatmap_oracle``.
 
@@ -60,15 +65,19 @@ from verl_oar.core.config import OARConfig
 from verl_oar.core.gradient import GradientConfig
 from verl_oar.core.hf import can_share_prefix, hf_importance
 from verl_oar.core.perturbation import PerturbationConfig
+from verl_oar.core.privileged_prompt import ground_truth
 from verl_oar.core.reshape import Fallback, importance_to_weights
+from verl_oar.tools.heatmap_privileged import PRIVILEGED, cscr_signal, oppo_signal
 
 __all__ = ["ESTIMATORS", "HeatmapInputError", "Oracle", "Sample", "load_oracle", "main", "make_sample",
            "oar_g_importance", "oar_p_importance", "oar_weights", "read_rollouts"]
 
-ESTIMATORS = ("oar_g", "oar_p")
+ESTIMATORS = ("oar_g", "oar_p", *PRIVILEGED)
 PROMPT_KEYS = ("prompt", "input")
 """tried in order when --prompt-key is not given: a generic file, then verl's rollout dump"""
 RESPONSE_KEYS = ("response", "output")
+GROUND_TRUTH_KEYS = ("ground_truth", "reward_model", "gts")
+"""tried in order for OPPO's reference answer: a generic file, verl's RL parquet, verl's rollout dump"""
 DUMP_PROMPT_KEY = "input"
 """verl's rollout dump: the prompt already went through the chat template (departure 1)"""
 DEFAULT_ROWS = 8
@@ -156,8 +165,9 @@ def _messages(prompt: Any) -> list[dict] | None:
     return None
 
 
-def prompt_token_ids(tokenizer, prompt: Any, chat_template: bool) -> tuple[str, list[int], bool]:
-    """(prompt text as tokenised, its ids, whether the chat template was applied).
+def prompt_token_ids(tokenizer, prompt: Any, chat_template: bool) -> tuple[str, list[int], list[dict] | None]:
+    """(prompt text as tokenised, its ids, the chat messages it was rendered from: None when the chat
+    template was not applied).
 
     A message list always goes through the chat template; a string only when ``chat_template`` and
     the tokenizer has one.
@@ -171,10 +181,10 @@ def prompt_token_ids(tokenizer, prompt: Any, chat_template: bool) -> tuple[str, 
         raise HeatmapInputError("the prompt is a chat message list but the tokenizer has no chat template; "
                                 "give the prompt as text")
     if messages is None and not (chat_template and has_template):
-        return prompt, tokenizer.encode(prompt, add_special_tokens=True), False
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True), None
     messages = messages or [{"role": "user", "content": prompt}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return text, tokenizer.encode(text, add_special_tokens=False), True
+    return text, tokenizer.encode(text, add_special_tokens=False), messages
 
 
 @dataclass
@@ -192,6 +202,10 @@ class Sample:
     """(T,) tokens overlapping the answer content"""
     chat_template: bool
     notes: list[str] = field(default_factory=list)
+    messages: list[dict] | None = None
+    """the chat messages the prompt ids were rendered from (None: a raw text prompt)"""
+    prompt_source: str = ""
+    """the raw text prompt as given (rewritten by CSCR/OPPO when ``messages`` is None)"""
 
     @property
     def ids(self) -> Tensor:
@@ -209,7 +223,7 @@ def make_sample(row: int, prompt: Any, response: Any, tokenizer, chat_template: 
     ``algorithm.oar.answer_locator``, default the built-in); :class:`HeatmapInputError` if it has none."""
     if not isinstance(response, str) or not response:
         raise HeatmapInputError(f"the response is {response!r}, not a non-empty string")
-    prompt_text, prompt_ids, templated = prompt_token_ids(tokenizer, prompt, chat_template)
+    prompt_text, prompt_ids, messages = prompt_token_ids(tokenizer, prompt, chat_template)
     response_ids = tokenizer.encode(response, add_special_tokens=False)
     located = locate_answer_tokens(response_ids, tokenizer, locator)
     if located is None:
@@ -219,7 +233,8 @@ def make_sample(row: int, prompt: Any, response: Any, tokenizer, chat_template: 
             "training keeps GRPO's credit for it"
         )
     reasoning, answer = located
-    sample = Sample(row, prompt_text, response, prompt_ids, response_ids, reasoning, answer, templated)
+    sample = Sample(row, prompt_text, response, prompt_ids, response_ids, reasoning, answer, messages is not None,
+                    messages=messages, prompt_source=prompt if isinstance(prompt, str) else "")
     if not any(reasoning):
         sample.notes.append("no reasoning token before the answer marker: every importance is 0")
     if not prompt_ids and answer[0]:
@@ -343,13 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="apply the tokenizer's chat template to a text prompt (default: yes, except for "
                              "verl's rollout dump key 'input', already templated); message lists always are")
     method = parser.add_argument_group("estimators")
-    method.add_argument("--estimators", default="oar_g,oar_p", help="comma-separated: oar_g, oar_p")
+    method.add_argument("--estimators", default="oar_g,oar_p", help=f"comma-separated: {', '.join(ESTIMATORS)}")
     method.add_argument("--oar-p-mode", choices=("exact", "chunk", "line"), default="exact")
     method.add_argument("--oar-p-budget", type=int, default=16, help="K spans in chunk / line mode")
     method.add_argument("--oar-p-max-tokens", type=int, default=8192, help="tokens per OAR-P model call")
     method.add_argument("--neutral", default="pad", help="OAR-P occlusion token: pad, space or a token id")
     method.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (logits are divided by it)")
     method.add_argument("--seed", type=int, default=0, help="seed of OAR-G's embedding noise")
+    method.add_argument("--ground-truth", help="OPPO: the reference answer of --prompt")
+    method.add_argument("--ground-truth-key",
+                        help=f"OPPO: the rollouts' reference-answer column (default: {' then '.join(GROUND_TRUTH_KEYS)})")
+    method.add_argument("--reward", type=float, default=1.0, help="OPPO: the response's reward in [0, 1]")
     method.add_argument("--oracle", metavar="MODULE:FUNCTION",
                         help="also draw an oracle's masks of known causal tokens, oracle(response_ids, tokenizer) -> "
                              "{name: [bool]*T} or None; e.g. verl_oar.testbed.pick_max:heatmap_oracle")
@@ -364,19 +383,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _inputs(args) -> tuple[list[tuple[int, Any, Any]], bool]:
+def _inputs(args, estimators: Sequence[str] = ()) -> tuple[list[tuple[int, Any, Any]], bool]:
     """(row, prompt, response) to score and whether text prompts get the chat template."""
     if args.rollouts is None:
         if args.prompt is None or args.response is None:
             raise HeatmapInputError("give --prompt TEXT and --response TEXT, or --rollouts FILE")
-        if args.rows or args.prompt_key or args.response_key:
-            raise HeatmapInputError("--rows / --prompt-key / --response-key only apply to --rollouts")
+        if args.rows or args.prompt_key or args.response_key or args.ground_truth_key:
+            raise HeatmapInputError("--rows / --prompt-key / --response-key / --ground-truth-key only apply to --rollouts")
         return [(0, args.prompt, args.response)], args.chat_template is not False
-    if args.prompt is not None or args.response is not None:
-        raise HeatmapInputError("give either --prompt/--response or --rollouts, not both")
+    if args.prompt is not None or args.response is not None or args.ground_truth is not None:
+        raise HeatmapInputError("give either --prompt/--response (and --ground-truth) or --rollouts, not both")
     items, p_key = read_rollouts(args.rollouts, _parse_rows(args.rows), args.prompt_key, args.response_key)
+    if p_key == DUMP_PROMPT_KEY and set(estimators) & set(PRIVILEGED):
+        raise HeatmapInputError(
+            f"--rollouts {args.rollouts}: its prompt column {DUMP_PROMPT_KEY!r} (verl's rollout dump) holds the prompt "
+            "after the chat template, and cscr/oppo rewrite the prompt's user turn; give a file whose prompt column "
+            "holds the chat messages (e.g. the training parquet's 'prompt' beside a 'response' column), or "
+            "--prompt/--response, or drop cscr/oppo from --estimators")
     default = p_key != DUMP_PROMPT_KEY  # verl's dump is already templated (departure 1)
     return items, default if args.chat_template is None else args.chat_template
+
+
+def _ground_truths(args, rows: Sequence[int]) -> dict[int, str]:
+    """OPPO's reference answer per row: --ground-truth, or the rollouts' column (verl's ``reward_model``
+    dicts included)."""
+    if args.rollouts is None:
+        if args.ground_truth is None:
+            raise HeatmapInputError("--estimators oppo needs the reference answer: give --ground-truth TEXT")
+        return {row: args.ground_truth for row in rows}
+    path = Path(args.rollouts)
+    records = _read_records(path)
+    key = _pick_key(records, args.ground_truth_key, GROUND_TRUTH_KEYS, "--ground-truth-key", path)
+    out = {}
+    for row in rows:
+        value = records[row][key]
+        try:
+            out[row] = ground_truth(value) if isinstance(value, dict) else str(value)
+        except ValueError as err:
+            raise HeatmapInputError(f"--rollouts {path}: row {row}: {err}") from None
+    return out
 
 
 def _load_model(path: str, dtype: str, device: str | None):
@@ -403,8 +448,9 @@ def _load_tokenizer(path: str):
 
 
 def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], neutral: int,
-                 oracle: Oracle | None = None) -> dict:
-    """Everything the JSON holds about one sample (``record["oracle"]``: ``oracle``'s masks, if given)."""
+                 oracle: Oracle | None = None, answer: str | None = None) -> dict:
+    """Everything the JSON holds about one sample (``record["oracle"]``: ``oracle``'s masks, if given;
+    ``answer``: OPPO's reference answer)."""
     oar = OARConfig()
     record: dict[str, Any] = {
         "row": sample.row, "prompt": sample.prompt_text, "response": sample.response_text,
@@ -415,6 +461,16 @@ def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], 
         "scores": {}, "weights": {}, "fallback": {}, "notes": list(sample.notes),
     }
     for name in estimators:
+        if name in PRIVILEGED:
+            if name == "cscr":
+                signal, weights = cscr_signal(model, tokenizer, sample, args.temperature)
+            else:
+                signal, weights = oppo_signal(model, tokenizer, sample, answer, args.reward, args.temperature)
+            # the heat row shows positive values: OPPO's evidence by magnitude (its sign is the w~ row's colour)
+            record["scores"][name] = signal.abs().tolist()
+            record["signed_scores"] = {**record.get("signed_scores", {}), name: signal.tolist()}
+            record["weights"][name], record["fallback"][name] = weights.tolist(), "NONE"
+            continue
         if name == "oar_g":
             importance = oar_g_importance(model, sample, GradientConfig(), args.seed, args.temperature)
         else:
@@ -443,9 +499,9 @@ def _title(record: dict, model: str) -> str:
 
 
 def _figure_rows(record: dict, estimators: list[str]):
-    """(rows, weights, masks) for heatmap_render: scores, the first estimator's weights, masks."""
+    """(rows, weights, masks) for heatmap_render: every estimator's scores and weights, masks."""
     rows = [(name, record["scores"][name]) for name in estimators]
-    weights = [(f"w~ {estimators[0]}", record["weights"][estimators[0]])]
+    weights = [(f"w~ {name}", record["weights"][name]) for name in estimators]
     masks = [("reasoning", record["reasoning"]), ("answer", record["answer"])]
     if record.get("oracle"):
         masks += [(f"oracle {name}", mask) for name, mask in record["oracle"].items()]
@@ -479,7 +535,10 @@ def run(args, oracle: Oracle | None = None) -> dict:
     estimators = _parse_estimators(args.estimators)
     if args.oar_p_budget < 1 or args.oar_p_max_tokens < 1 or not args.temperature > 0:
         raise HeatmapInputError("--oar-p-budget and --oar-p-max-tokens must be >= 1 and --temperature > 0")
-    items, chat_template = _inputs(args)  # file, keys and rows are checked before any model is loaded
+    if not 0.0 <= args.reward <= 1.0:
+        raise HeatmapInputError(f"--reward {args.reward}: OPPO reads it as the response's success probability, in [0, 1]")
+    items, chat_template = _inputs(args, estimators)  # file, keys and rows are checked before any model is loaded
+    answers = _ground_truths(args, [row for row, _, _ in items]) if "oppo" in estimators else {}
     tokenizer = _load_tokenizer(args.model)
     neutral = neutral_id(tokenizer, args.neutral) if "oar_p" in estimators else None
     if oracle is None and args.oracle:
@@ -503,12 +562,14 @@ def run(args, oracle: Oracle | None = None) -> dict:
         )
     model = _load_model(args.model, args.dtype, args.device)
     with torch.no_grad():  # OAR-G re-enables grad for its own pass
-        records = [score_sample(model, tokenizer, s, args, estimators, neutral, oracle) for s in samples]
+        records = [score_sample(model, tokenizer, s, args, estimators, neutral, oracle, answers.get(s.row))
+                   for s in samples]
     report = {
         "model": args.model,
         "config": {
             "estimators": estimators, "oar_p_mode": args.oar_p_mode, "oar_p_budget": args.oar_p_budget,
             "neutral": args.neutral, "neutral_id": neutral, "temperature": args.temperature, "seed": args.seed,
+            "reward": args.reward if "oppo" in estimators else None,
             "oracle": args.oracle or (oracle and getattr(oracle, "__qualname__", repr(oracle))), "dtype": args.dtype, "device": str(next(model.parameters()).device),
             "gradient": asdict(GradientConfig()), "reshape": asdict(OARConfig().reshape_config()),
         },

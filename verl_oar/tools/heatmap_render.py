@@ -6,8 +6,8 @@ Inputs are plain lists over the T tokens of a response:
   of spaces as ``·``);
 * ``rows``: ``(label, scores)`` with T floats each, an importance row; each row is shown on its own
   scale, divided by its maximum over the response (negative and non-finite values show as 0);
-* ``weights``: ``(label, w)`` with T floats, OAR weights; a diverging scale centred at 1 (blue < 1
-  suppressed, red > 1 boosted, white = 1 = GRPO's credit);
+* ``weights``: ``(label, w)`` with T floats, token weights (OAR's, CSCR's, OPPO's credit relative to an
+  even spread); a diverging scale centred at 1 (blue < 1 suppressed, red > 1 boosted, white = 1 = GRPO's credit);
 * ``masks``: ``(label, mask)`` with T bools, drawn as filled (True) or empty (False) boxes.
 
 Tokens are laid out in lines of ``wrap`` tokens; every row of a line sits under its tokens. PNG
@@ -29,7 +29,7 @@ Mask = tuple[str, Sequence[bool]]
 
 NOTE = (
     "score rows: each row / its max over the response (white 0 -> red 1)",
-    "w~ rows: OAR weight (blue < 1 suppressed, white = 1, red > 1 boosted); masks: filled = true",
+    "w~ rows: token weight (blue < 1 suppressed, white = 1 = GRPO's even credit, red > 1 boosted); masks: filled = true",
 )
 """the legend, one line each"""
 MAX_TITLE_CHARS = 160
