@@ -84,8 +84,20 @@ def test_cscr_and_oppo_train_and_their_dumps_follow_the_formulas(cpu_workspace_d
         mask = d["response_mask"].bool() & d["oppo_scored"].bool()
         expected = oppo_advantages(d["oppo_evidence"], d["rewards"], d["groups"], mask, OPPOConfig()).advantages
         torch.testing.assert_close(d["advantages"], expected, atol=1e-6, rtol=1e-5)
+    # teacher = the actor at step 1: a response both runs sampled gets the same evidence (the runs' rows
+    # come in another order, and a row or two are sampled differently)
     own, taught = torch.load(oppo_dump / "step_1.pt"), torch.load(teacher_dump / "step_1.pt")
-    assert torch.equal(own["responses"], taught["responses"])  # the same rollout at step 1
-    mask = own["response_mask"].bool()
-    assert (own["oppo_evidence"] - taught["oppo_evidence"])[mask].abs().max() < 1e-4  # teacher = actor at step 1
+
+    def rows(d):
+        return [(tuple(d["responses"][i][d["response_mask"][i].bool()].tolist()),
+                 d["oppo_evidence"][i][d["response_mask"][i].bool()]) for i in range(len(d["responses"]))]
+
+    theirs = rows(taught)
+    matched = [any(r == r2 and (e - e2).abs().max() < 1e-4 for r2, e2 in theirs) for r, e in rows(own)]
+    assert sum(matched) >= 0.75 * len(matched), matched
+    assert max(float(e.abs().max()) for _, e in theirs) > 1e-2  # and the evidence is not trivially 0
+    # step 2: the actor has moved, the frozen teacher has not: the same responses get other evidence
+    own, theirs = rows(torch.load(oppo_dump / "step_2.pt")), rows(torch.load(teacher_dump / "step_2.pt"))
+    common = [(e, e2) for r, e in own for r2, e2 in theirs if r == r2]
+    assert common and all((e - e2).abs().max() > 1e-4 for e, e2 in common)
 
