@@ -59,39 +59,24 @@ def _one_rank_env() -> None:
         os.environ.setdefault(key, val)
 
 
-def build_model_dir(root: Path, hidden: int, layers: int) -> Path:
+def build_model_dir(root: Path, name: str, hidden: int, layers: int, seed: int) -> Path:
+    """A random tiny Qwen2 (``hidden``, ``layers``) with the CPU workspace's byte tokenizer, in ``root/name``:
+    the actor (seed 0) and OPPO's teacher stand-in (another size and seed, the same tokenizer)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from verl_oar.cpu.workspace import build_tokenizer
 
     tokenizer = build_tokenizer()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False, torch_dtype="float32",
     )
-    Qwen2ForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    return root / "model"
-
-
-def build_teacher_dir(root: Path, hidden: int, layers: int, tokenizer_dir: Path) -> Path:
-    """A random Qwen2 of ``hidden`` with the actor's tokenizer: the teacher stand-in."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(1)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False, torch_dtype="float32",
-    )
-    Qwen2ForCausalLM(config).save_pretrained(root / "teacher")
-    tokenizer.save_pretrained(root / "teacher")
-    return root / "teacher"
+    Qwen2ForCausalLM(config).save_pretrained(root / name)
+    tokenizer.save_pretrained(root / name)
+    return root / name
 
 
 def build_worker(model_dir: Path, rows: int, max_len: int, teacher_dir: Path):
@@ -168,11 +153,11 @@ def main(argv=None) -> None:
     from verl_oar.testbed.machine import machine_info
 
     root = Path(tempfile.mkdtemp(prefix="privileged_cost_"))
-    model_dir = build_model_dir(root, args.hidden, args.layers)
+    model_dir = build_model_dir(root, "model", args.hidden, args.layers, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     messages, prompts, responses, answers = rollout(tokenizer, args.rows, args.prompt_chars, args.mean_response, 0)
     longest = max(len(p) + len(r) for p, r in zip(prompts, responses)) + 128
-    teacher_dir = build_teacher_dir(root, args.teacher_hidden, args.layers, model_dir)
+    teacher_dir = build_model_dir(root, "teacher", args.teacher_hidden, args.layers, seed=1)
     worker = build_worker(model_dir, args.rows, max(4096, longest), teacher_dir)
     builder = create_continuous_token_builder(tokenizer, hf_model_type="qwen2", chat_template_kwargs={})
     keys = [f"k{i}" for i in range(args.rows)]
