@@ -8,7 +8,8 @@ Per response of every dumped step (real rows only; the oracle read from the resp
   advantage, so it is 1 by construction; above 1 the method put more credit on the tokens the
   answer depends on. Responses whose advantage is 0 (a group with one reward) or that have no causal
   or no non-causal reasoning token are skipped and counted (``RunCredit.skipped``).
-- **recall@10%** of the method's token signal (``Method.signal``, e.g. ``oar_importance``): the share of
+- **recall@10%** of the method's token signal (``Method.signal``, e.g. ``oar_importance``; ranked by
+  magnitude): the share of
   the oracle-causal tokens that rank among the top 10% of reasoning tokens by signal
   (``importance_quality.recall_at``, ties broken by a seeded generator).
 
@@ -104,7 +105,7 @@ def run_credit(dump_dir: Path, tokenizer: Any, signal: str | None, *, seed: int 
             else:
                 out.skipped["zero_advantage"] += 1
             if signal is not None and bool((masks.causal & masks.reasoning).any()):
-                scores = dump[signal][row, positions].float()
+                scores = dump[signal][row, positions].float().abs()  # by magnitude: OPPO's evidence is signed
                 out.recalls.append(recall_at(scores, masks.reasoning, masks.causal & masks.reasoning, [RECALL_FRAC],
                                              generator)[RECALL_FRAC])
     return out

@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from verl_oar.testbed.methods import BASELINE, METHODS, method
+from verl_oar.testbed.methods import BASELINE, DEFAULT_DEMO, METHODS, method
 from verl_oar.testbed.training_runs import REWARD, VAL_REWARD, Run, RunSettings, make_runs, run_all, train_records
 from verl_oar.testbed.workspace import Testbed, committed_testbed, copy_testbed
 
@@ -56,7 +56,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="a testbed built by python -m verl_oar.testbed.workspace (default: the committed one)")
     p.add_argument("--seeds", default="0", help="training seeds, comma-separated (the long run: 0,1,2,3,4)")
     p.add_argument("--steps", type=int, default=RunSettings.steps, help="training steps per run")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_DEMO),
+                   help=f"comma-separated, from {','.join(METHODS)}, or 'all' (the long run)")
     p.add_argument("--batch-size", type=int, default=RunSettings.batch_size, help="prompts per step")
     p.add_argument("--mini-batch-size", type=int, default=RunSettings.mini_batch_size,
                    help="prompts per PPO mini-batch, one optimizer step each (default: the whole step)")
@@ -70,7 +71,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=None, help="stop a training run after this many seconds")
     args = p.parse_args(argv)
     args.seed_list = _ints(args.seeds)
-    args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    names = list(METHODS) if args.methods.strip() == "all" else args.methods.split(",")
+    args.method_list = [m.strip() for m in names if m.strip()]
     args.frac_list = [float(f) for f in args.fracs.split(",")]
     unknown = [m for m in args.method_list if m not in METHODS]
     if unknown or not args.method_list:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["BASELINE", "METHODS", "Method", "method"]
+__all__ = ["BASELINE", "DEFAULT_DEMO", "METHODS", "Method", "method"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class Method:
     dump: Callable[[str], list[str]] | None = None
     """directory -> the overrides that make the run dump its token tensors each step (None: no dumps;
     the method's credit is uniform over a response by construction)"""
+    default_demo: bool = True
+    """run by the default demo (``bash scripts/demo.sh``, <= 10 minutes on 2 cores); every method runs in
+    the long run and with ``--methods``"""
 
 
 def _oar_dump(directory: str) -> list[str]:
@@ -52,8 +55,16 @@ METHODS: dict[str, Method] = {
         Method("grpo", "GRPO", "#555555", lambda seed, neutral_id: []),
         Method("oar_g", "OAR-G", "#1f77b4", _oar_g, signal="oar_importance", dump=_oar_dump),
         Method("oar_p", "OAR-P", "#d62728", _oar_p, signal="oar_importance", dump=_oar_dump),
+        # self-teacher / self-oracle; their recipes' defaults (docs/algo/cscr.md, oppo.md). Not in the
+        # default demo: five runs of ~2 minutes each do not fit its 10 minutes on 2 cores
+        Method("cscr", "CSCR", "#2ca02c", lambda seed, neutral_id: [], signal="sensitivity", dump=_oar_dump,
+               default_demo=False),
+        Method("oppo", "OPPO", "#9467bd", lambda seed, neutral_id: [], signal="oppo_evidence", dump=_oar_dump,
+               default_demo=False),
     )
 }
+DEFAULT_DEMO = tuple(name for name, m in METHODS.items() if m.default_demo)
+"""the default demo's methods"""
 BASELINE = "grpo"
 """every comparison is paired against this method's run of the same seed"""
 
