@@ -166,7 +166,9 @@ def test_run_overrides_compose_validate_and_differ_only_where_they_should(tiny_b
 
     settings = RunSettings(steps=3, val_every=2, mini_batch_size=4)
     configs = {}
-    for method in ("grpo", "oar_g", "oar_p"):
+    from verl_oar.testbed.methods import METHODS
+
+    for method in METHODS:
         for seed in (0, 1):
             overrides = run_overrides(tiny_bed, method, seed, settings, neutral_id=32, name="x", val_file=tmp_path / "v.parquet",
                                       dump_dir=tmp_path / "dumps")
@@ -185,12 +187,13 @@ def test_run_overrides_compose_validate_and_differ_only_where_they_should(tiny_b
     assert configs["oar_p", 0]["algorithm.oar.perturb_token_id"] == 32
     assert configs["oar_p", 0]["algorithm.oar.perturb_mode"] == "exact"
     assert configs["oar_g", 0]["algorithm.oar.dump_dir"] == str(tmp_path / "dumps")
-    for method in ("oar_g", "oar_p"):  # methods differ from GRPO only in algorithm.*
+    assert configs["cscr", 0]["algorithm.oar.dump_dir"] == configs["oppo", 0]["algorithm.oar.dump_dir"] == str(tmp_path / "dumps")
+    for method in set(METHODS) - {"grpo"}:  # methods differ from GRPO only in algorithm.*
         diff = {k for k in set(grpo) | set(configs[method, 0]) if grpo.get(k) != configs[method, 0].get(k)}
         assert diff and all(k.startswith("algorithm.") for k in diff), diff
     seed_keys = {"data.seed", "actor_rollout_ref.rollout.seed", "actor_rollout_ref.actor.fsdp_config.seed",
                  "algorithm.oar.seed"}
-    for method in ("grpo", "oar_g", "oar_p"):  # seeds differ only in seeds
+    for method in METHODS:  # seeds differ only in seeds
         a, b = configs[method, 0], configs[method, 1]
         diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
         assert diff and diff <= seed_keys, diff
@@ -218,3 +221,35 @@ def test_bad_flags_are_refused_with_the_fix(capsys):
         assert needle in capsys.readouterr().err
     args = parse_args(["--seeds", "3,4"])
     assert args.seed_list == [3, 4] and args.method_list == ["grpo", "oar_g", "oar_p"]
+
+
+def test_reuse_copies_the_matching_runs_of_a_finished_folder_and_refuses_other_settings(tiny_bed, tmp_path):
+    import json
+
+    from verl_oar.testbed.demo import reuse_runs
+    from verl_oar.testbed.training_runs import RunSettings, make_runs
+
+    settings = RunSettings(steps=2)
+    old = tmp_path / "old"
+    for label in ("grpo_seed0", "oar_g_seed0"):
+        (old / "metrics").mkdir(parents=True, exist_ok=True)
+        (old / "logs").mkdir(exist_ok=True)
+        (old / "metrics" / f"{label}.jsonl").write_text(json.dumps({"step": 1, "data": {"x": 1.0}}) + "\n")
+        (old / "logs" / f"{label}.log").write_text("log\n")
+    (old / "dumps" / "oar_g_seed0").mkdir(parents=True)
+    (old / "dumps" / "oar_g_seed0" / "step_1.pt").write_bytes(b"x")
+    summary = {"command": "python -m verl_oar.testbed.demo ...", "settings": {**vars(settings), "quality_samples": 16},
+               "testbed": {"spec": tiny_bed.manifest["spec"]},
+               "runs": {"grpo": [{"seed": 0, "seconds": 120.0}], "oar_g": [{"seed": 0, "seconds": 130.0}]}}
+    (old / "summary.json").write_text(json.dumps(summary))
+    runs = make_runs(tiny_bed, ["grpo", "oar_g", "cscr"], [0, 1], settings, neutral_id=32, out_dir=tmp_path / "new",
+                     val_file=tmp_path / "v.parquet")
+    reused = reuse_runs(runs, old, settings, tiny_bed)
+    assert reused["runs"] == ["grpo/seed0", "oar_g/seed0"] and reused["from"] == str(old.resolve())
+    by_label = {r.label: r for r in runs}
+    assert by_label["oar_g/seed0"].returncode == 0 and by_label["oar_g/seed0"].finished == 130.0
+    assert by_label["oar_g/seed0"].records == [{"step": 1, "data": {"x": 1.0}}]
+    assert (tmp_path / "new" / "dumps" / "oar_g_seed0" / "step_1.pt").exists()
+    assert by_label["cscr/seed0"].returncode is None and by_label["grpo/seed1"].returncode is None  # to train
+    with pytest.raises(SystemExit, match="settings or testbed differ"):
+        reuse_runs(runs, old, RunSettings(steps=3), tiny_bed)

@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quality-samples", type=int, default=16, help="sampled responses scored by every estimator")
     p.add_argument("--fracs", default="0.05,0.1,0.3", help="top-K%% fractions for recall and the counterfactual")
     p.add_argument("--run-timeout", type=float, default=None, help="stop a training run after this many seconds")
+    p.add_argument("--reuse", type=Path, default=None,
+                   help="a finished demo folder: its runs of the same method, seed, settings and testbed are copied, "
+                        "not trained again (e.g. to add a method to a long run); the summary records which")
     args = p.parse_args(argv)
     args.seed_list = _ints(args.seeds)
     names = list(METHODS) if args.methods.strip() == "all" else args.methods.split(",")
@@ -225,9 +228,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
             os.environ.update(cluster.env)  # the runs' overrides and environments join this cluster
         runs = make_runs(bed, args.method_list, args.seed_list, settings, neutral_id=q["config"]["neutral_id"],
                          out_dir=out, val_file=val_file)
-        _log(f"3/4 {len(runs)} training runs through verl.trainer.main_ppo, one after the other in one Ray "
-             f"cluster (about a minute each to start, then a few seconds per step)")
-        run_all(runs, total_steps=args.steps, log=lambda m: _log("    " + m), timeout_s=args.run_timeout)
+        reused = reuse_runs(runs, args.reuse, settings, bed) if args.reuse else {}
+        pending = [r for r in runs if r.label not in reused.get("runs", [])]
+        _log(f"3/4 {len(pending)} training runs through verl.trainer.main_ppo, one after the other in one Ray "
+             f"cluster (about a minute each to start, then a few seconds per step)"
+             + (f"; {len(runs) - len(pending)} reused from {args.reuse}" if reused else ""))
+        run_all(pending, total_steps=args.steps, log=lambda m: _log("    " + m), timeout_s=args.run_timeout)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -250,10 +256,42 @@ def main(argv: Sequence[str] | None = None) -> dict:
         **measured(runs, args.method_list),
         "quality": q,
         "seconds": round(time.time() - start, 1),
+        **({"reused": reused} if reused else {}),
     }
     index = write_summary_and_report(out, summary)
     _log(f"done in {summary['seconds']:.0f} s: open {index}")
     return summary
+
+
+def reuse_runs(runs: Sequence[Run], source: Path, settings: RunSettings, bed: Testbed) -> dict:
+    """Copy into the runs' files the runs of ``source`` (a finished demo folder) that ``runs`` would repeat: same
+    method and seed, same run settings and testbed spec; mark them finished. Returns {"from", "command",
+    "runs": [labels]} for the summary (empty when nothing matched)."""
+    import shutil
+
+    from verl_oar.testbed.training_runs import read_records
+
+    source = Path(source).expanduser().resolve()
+    old = json.loads((source / "summary.json").read_text())
+    if {k: old["settings"].get(k) for k in vars(settings)} != vars(settings) or old["testbed"]["spec"] != bed.manifest["spec"]:
+        raise SystemExit(f"verl_oar.testbed.demo: --reuse {source}: its run settings or testbed differ from this run's; "
+                         "its runs cannot stand in for these")
+    labels = []
+    for run in runs:
+        previous = next((r for r in old["runs"].get(run.method, []) if r["seed"] == run.seed), None)
+        name = f"{run.method}_seed{run.seed}"
+        if previous is None or not (source / "metrics" / f"{name}.jsonl").exists():
+            continue
+        run.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        run.log_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / "metrics" / f"{name}.jsonl", run.metrics_path)
+        shutil.copyfile(source / "logs" / f"{name}.log", run.log_path)
+        if run.dump_dir is not None:
+            shutil.copytree(source / "dumps" / name, run.dump_dir, dirs_exist_ok=True)
+        run.records, run.returncode = read_records(run.metrics_path), 0
+        run.started, run.finished = 0.0, float(previous["seconds"])
+        labels.append(run.label)
+    return {"from": str(source), "command": old["command"], "runs": labels} if labels else {}
 
 
 def measured(runs: Sequence[Run], methods: Sequence[str]) -> dict:
