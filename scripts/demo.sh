@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: every method (GRPO, OAR-G, OAR-P) on the pick_max testbed through verl's real trainer
+# The main job: GRPO, OAR-G and OAR-P (--methods all adds CSCR and OPPO) on the pick_max testbed through verl's real trainer
 # on CPU, from the committed start, one seed; the credit each assigned, the importance estimators
 # against the oracle, and an HTML report in ./oar_demo (about 10 minutes on 2 cores).
 # Flags go to python -m verl_oar.testbed.demo (--help lists them: seeds, steps, methods, validation).

@@ -1,4 +1,4 @@
-"""The testbed demo (verl_oar.testbed.demo) shortened -- one seed, two steps, every method of
+"""The testbed demo (verl_oar.testbed.demo) shortened -- one seed, two steps, the default demo's methods of
 ``testbed.methods`` through verl's real trainer, one after the other in the session's Ray cluster -- must
 produce every figure, with curves equal to the runs' metric files and credit measures equal to their
 dumps. Its parts, every method's run configuration included, are checked in tests/unit/test_demo_on_cpu.py."""
@@ -18,11 +18,14 @@ def _png_ok(path: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_shortened_demo_trains_every_method_and_produces_every_figure_from_its_runs(tiny_bed, tmp_path, capsys):
+def test_shortened_demo_trains_its_methods_and_produces_every_figure_from_its_runs(tiny_bed, tmp_path, capsys):
     from verl_oar.cpu.workspace import build_tokenizer
     from verl_oar.testbed.credit import run_credit
     from verl_oar.testbed.demo import main, resummarize
-    from verl_oar.testbed.methods import METHODS
+    from verl_oar.testbed.methods import DEFAULT_DEMO, METHODS
+
+    # the default demo's methods (CSCR's and OPPO's runs: their recipe copies, tests/e2e/test_privileged_e2e_on_cpu.py)
+    demo = {m: METHODS[m] for m in DEFAULT_DEMO}
     from verl_oar.testbed.training_runs import REWARD, VAL_REWARD, read_records, train_records
 
     out = tmp_path / "report"
@@ -35,9 +38,9 @@ def test_shortened_demo_trains_every_method_and_produces_every_figure_from_its_r
         assert f'src="{name}"' in page
     assert "<b>Summary.</b>" in page and "1 seed" in page
     assert json.loads((out / "summary.json").read_text())["seeds"] == [0]
-    assert set(summary["runs"]) == set(METHODS)
+    assert set(summary["runs"]) == set(demo)
     tokenizer = build_tokenizer()
-    for method, entry in METHODS.items():
+    for method, entry in demo.items():
         records = read_records(out / "metrics" / f"{method}_seed0.jsonl")
         run = summary["runs"][method][0]
         # the summary's curves are the runs' metric files, step for step
@@ -54,7 +57,7 @@ def test_shortened_demo_trains_every_method_and_produces_every_figure_from_its_r
         assert run["credit"]["counted_concentration"] > 0
     # the same responses at step 1 in every run of the seed: a heatmap row per method
     example = summary["same_response"][0]
-    assert set(example["weights"]) == set(METHODS) and all(w == 1.0 for w in example["weights"]["grpo"])
+    assert set(example["weights"]) == set(demo) and all(w == 1.0 for w in example["weights"]["grpo"])
     assert summary["comparison"]["methods"]["oar_g"]["vs_baseline"]["auc"]["low"] is None   # one seed: no interval
     logged = capsys.readouterr().out
     assert "oar_p/seed0: step 2/2" in logged and "open " in logged
