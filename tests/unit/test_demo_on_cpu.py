@@ -226,7 +226,7 @@ def test_bad_flags_are_refused_with_the_fix(capsys):
 def test_reuse_copies_the_matching_runs_of_a_finished_folder_and_refuses_other_settings(tiny_bed, tmp_path):
     import json
 
-    from verl_oar.testbed.demo import reuse_runs
+    from verl_oar.testbed.reuse import reuse_runs
     from verl_oar.testbed.training_runs import RunSettings, make_runs
 
     settings = RunSettings(steps=2)
@@ -244,8 +244,9 @@ def test_reuse_copies_the_matching_runs_of_a_finished_folder_and_refuses_other_s
     (old / "summary.json").write_text(json.dumps(summary))
     runs = make_runs(tiny_bed, ["grpo", "oar_g", "cscr"], [0, 1], settings, neutral_id=32, out_dir=tmp_path / "new",
                      val_file=tmp_path / "v.parquet")
-    reused = reuse_runs(runs, old, settings, tiny_bed)
+    reused, earlier = reuse_runs(runs, old, settings, tiny_bed)
     assert reused["runs"] == ["grpo/seed0", "oar_g/seed0"] and reused["from"] == str(old.resolve())
+    assert reused["files"] is True and earlier is None
     by_label = {r.label: r for r in runs}
     assert by_label["oar_g/seed0"].returncode == 0 and by_label["oar_g/seed0"].finished == 130.0
     assert by_label["oar_g/seed0"].records == [{"step": 1, "data": {"x": 1.0}}]
@@ -253,3 +254,47 @@ def test_reuse_copies_the_matching_runs_of_a_finished_folder_and_refuses_other_s
     assert by_label["cscr/seed0"].returncode is None and by_label["grpo/seed1"].returncode is None  # to train
     with pytest.raises(SystemExit, match="settings or testbed differ"):
         reuse_runs(runs, old, RunSettings(steps=3), tiny_bed)
+
+
+def test_reuse_from_a_summary_file_takes_its_entries_and_merges_the_same_response_rows(tiny_bed, tmp_path):
+    import json
+
+    import torch
+
+    from verl_oar.cpu.workspace import build_tokenizer
+    from verl_oar.testbed.demo import measured
+    from verl_oar.testbed.reuse import merge_same_response, reuse_runs
+    from verl_oar.testbed.training_runs import RunSettings, make_runs
+
+    settings = RunSettings(steps=2)
+    entry = {"seed": 0, "reward": [0.2, 0.9], "response_length": [30, 30], "step_seconds": [3.0, 2.0],
+             "importance_seconds": [None, None], "val_accuracy": {"0": 0.4, "2": 0.8}, "credit": None, "seconds": 99.0}
+    summary = {"command": "python -m verl_oar.testbed.demo --seeds 0", "settings": {**vars(settings), "quality_samples": 16},
+               "testbed": {"spec": tiny_bed.manifest["spec"]}, "reused": {"from": "/gone", "command": "first", "runs": []},
+               "runs": {"grpo": [entry], "oar_g": [{**entry, "credit": {"concentration": 2.0}}]},
+               "concentration_quartiles": {"grpo": {"median": None}, "oar_g": {"median": 2.0, "responses": 7}},
+               "same_response": [{"tokens": ["a", "7"], "weights": {"grpo": [1.0, 1.0], "oar_g": [0.5, 1.5]}},
+                                 {"tokens": ["b", "3"], "weights": {"grpo": [1.0, 1.0], "oar_g": [0.9, 1.1]}}]}
+    path = tmp_path / "long_run.json"
+    path.write_text(json.dumps(summary))
+    runs = make_runs(tiny_bed, ["grpo", "oar_g"], [0], settings, neutral_id=32, out_dir=tmp_path / "new", val_file=tmp_path / "v")
+    reused, earlier = reuse_runs(runs, path, settings, tiny_bed)
+    assert reused["files"] is False and reused["earlier"]["command"] == "first" and earlier == summary
+    assert all(r.summary == summary["runs"][r.method][0] and r.returncode == 0 for r in runs)
+    out = measured(runs, ["grpo", "oar_g"], earlier)
+    assert out["runs"]["oar_g"][0]["credit"] == {"concentration": 2.0}
+    assert out["concentration_quartiles"]["oar_g"] == {"median": 2.0, "responses": 7}
+    assert out["same_response"] == summary["same_response"]  # no run trained here: the rows as they were
+
+    tokenizer = build_tokenizer()  # a run trained here adds its weights where it has the same step-1 response
+    ids = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("b", "3")]
+    dump = {"responses": torch.tensor([[ids[0], ids[1], 0]]), "response_mask": torch.tensor([[1, 1, 0]]),
+            "weights": torch.tensor([[0.25, 1.75, 1.0]])}
+    merged = merge_same_response(summary["same_response"], {"cscr": dump}, tokenizer)
+    assert [r["tokens"] for r in merged] == [["b", "3"]] and merged[0]["weights"]["cscr"] == [0.25, 1.75]
+    assert "cscr" not in summary["same_response"][1]["weights"]  # the earlier rows are not changed
+
+    mixed = make_runs(tiny_bed, ["grpo", "oar_g"], [0, 1], settings, neutral_id=32, out_dir=tmp_path / "m", val_file=tmp_path / "v")
+    _, earlier = reuse_runs(mixed, path, settings, tiny_bed)  # seed 1 is not in the summary: it would train here
+    with pytest.raises(SystemExit, match="reuse all of its seeds or none"):
+        measured(mixed, ["grpo", "oar_g"], earlier)

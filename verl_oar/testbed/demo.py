@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from verl_oar.testbed.methods import BASELINE, DEFAULT_DEMO, METHODS, method
+from verl_oar.testbed.reuse import reuse_runs
 from verl_oar.testbed.training_runs import REWARD, VAL_REWARD, Run, RunSettings, make_runs, run_all, train_records
 from verl_oar.testbed.workspace import Testbed, committed_testbed, copy_testbed
 
@@ -70,8 +71,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fracs", default="0.05,0.1,0.3", help="top-K%% fractions for recall and the counterfactual")
     p.add_argument("--run-timeout", type=float, default=None, help="stop a training run after this many seconds")
     p.add_argument("--reuse", type=Path, default=None,
-                   help="a finished demo folder: its runs of the same method, seed, settings and testbed are copied, "
-                        "not trained again (e.g. to add a method to a long run); the summary records which")
+                   help="a finished demo folder, or a summary file (the committed long run's JSON): its runs of the same "
+                        "method, seed, settings and testbed are reused, not trained again (to add a method to a long "
+                        "run; testbed/reuse.py); the summary records which")
     args = p.parse_args(argv)
     args.seed_list = _ints(args.seeds)
     names = list(METHODS) if args.methods.strip() == "all" else args.methods.split(",")
@@ -228,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             os.environ.update(cluster.env)  # the runs' overrides and environments join this cluster
         runs = make_runs(bed, args.method_list, args.seed_list, settings, neutral_id=q["config"]["neutral_id"],
                          out_dir=out, val_file=val_file)
-        reused = reuse_runs(runs, args.reuse, settings, bed) if args.reuse else {}
+        reused, earlier = reuse_runs(runs, args.reuse, settings, bed) if args.reuse else ({}, None)
         pending = [r for r in runs if r.label not in reused.get("runs", [])]
         _log(f"3/4 {len(pending)} training runs through verl.trainer.main_ppo, one after the other in one Ray "
              f"cluster (about a minute each to start, then a few seconds per step)"
@@ -253,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "testbed": {"source": str(source.root), "spec": bed.manifest["spec"], "warm_start": bed.manifest["warm_start"],
                     "val_samples": warm, "num_parameters": bed.manifest["num_parameters"],
                     "built_on": bed.manifest.get("machine")},
-        **measured(runs, args.method_list),
+        **measured(runs, args.method_list, earlier),
         "quality": q,
         "seconds": round(time.time() - start, 1),
         **({"reused": reused} if reused else {}),
@@ -263,40 +265,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return summary
 
 
-def reuse_runs(runs: Sequence[Run], source: Path, settings: RunSettings, bed: Testbed) -> dict:
-    """Copy into the runs' files the runs of ``source`` (a finished demo folder) that ``runs`` would repeat: same
-    method and seed, same run settings and testbed spec; mark them finished. Returns {"from", "command",
-    "runs": [labels]} for the summary (empty when nothing matched)."""
-    import shutil
-
-    from verl_oar.testbed.training_runs import read_records
-
-    source = Path(source).expanduser().resolve()
-    old = json.loads((source / "summary.json").read_text())
-    if {k: old["settings"].get(k) for k in vars(settings)} != vars(settings) or old["testbed"]["spec"] != bed.manifest["spec"]:
-        raise SystemExit(f"verl_oar.testbed.demo: --reuse {source}: its run settings or testbed differ from this run's; "
-                         "its runs cannot stand in for these")
-    labels = []
-    for run in runs:
-        previous = next((r for r in old["runs"].get(run.method, []) if r["seed"] == run.seed), None)
-        name = f"{run.method}_seed{run.seed}"
-        if previous is None or not (source / "metrics" / f"{name}.jsonl").exists():
-            continue
-        run.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        run.log_path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source / "metrics" / f"{name}.jsonl", run.metrics_path)
-        shutil.copyfile(source / "logs" / f"{name}.log", run.log_path)
-        if run.dump_dir is not None:
-            shutil.copytree(source / "dumps" / name, run.dump_dir, dirs_exist_ok=True)
-        run.records, run.returncode = read_records(run.metrics_path), 0
-        run.started, run.finished = 0.0, float(previous["seconds"])
-        labels.append(run.label)
-    return {"from": str(source), "command": old["command"], "runs": labels} if labels else {}
-
-
-def measured(runs: Sequence[Run], methods: Sequence[str]) -> dict:
+def measured(runs: Sequence[Run], methods: Sequence[str], earlier: dict | None = None) -> dict:
     """The summary's parts computed from the runs' files: "runs" (curves and credit per method),
-    "comparison", "concentration_quartiles", "same_response"."""
+    "comparison", "concentration_quartiles", "same_response". Runs reused from a summary file
+    (``run.summary``) bring their own entries; ``earlier`` is that summary (``testbed.reuse``)."""
     from verl_oar.cpu.workspace import build_tokenizer
     from verl_oar.testbed.comparison import compare
     from verl_oar.testbed.credit import summarize
@@ -304,15 +276,38 @@ def measured(runs: Sequence[Run], methods: Sequence[str]) -> dict:
     tokenizer = build_tokenizer()
     per_method: dict[str, list[dict]] = {m: [] for m in methods}
     concentrations: dict[str, list[float]] = {m: [] for m in methods}
+    for m in methods:
+        own = [r.summary is not None for r in runs if r.method == m]
+        if any(own) and not all(own):
+            raise SystemExit(f"verl_oar.testbed.demo: method {m} has runs reused from a summary file and runs trained "
+                             "here; its concentration quartiles would cover only some seeds: reuse all of its seeds or none")
     for run in runs:
+        if run.summary is not None:
+            per_method[run.method].append(run.summary)
+            continue
         credit, values = credit_of(run, tokenizer)
         per_method[run.method].append(run_summary(run, credit))
         concentrations[run.method] += values
+    quartiles = {m: summarize(v) for m, v in concentrations.items()}
+    for m in methods:  # a method whose runs come from a summary file: that summary's quartiles
+        if earlier is not None and any(r.summary is not None for r in runs if r.method == m):
+            quartiles[m] = earlier["concentration_quartiles"][m]
+    if earlier is None:
+        same = same_response_weights(runs, tokenizer, 3)
+    else:
+        import torch
+
+        from verl_oar.testbed.reuse import merge_same_response
+
+        seed = runs[0].seed if runs else None
+        loaded = {r.method: torch.load(r.dump_dir / "step_1.pt", weights_only=False) for r in runs
+                  if r.seed == seed and r.summary is None and r.dump_dir is not None and (r.dump_dir / "step_1.pt").exists()}
+        same = merge_same_response(earlier.get("same_response", []), loaded, tokenizer)
     return {
         "runs": per_method,
         "comparison": compare(per_method, BASELINE),
-        "concentration_quartiles": {m: summarize(v) for m, v in concentrations.items()},
-        "same_response": same_response_weights(runs, tokenizer, 3),
+        "concentration_quartiles": quartiles,
+        "same_response": same,
     }
 
 
@@ -335,6 +330,8 @@ def resummarize(out: Path) -> Path:
 
     out = Path(out).expanduser().resolve()
     summary = json.loads((out / "summary.json").read_text())
+    from_file = summary.get("reused", {}).get("files") is False  # runs reused from a summary file have no files here
+    from_summary = set(summary["reused"]["runs"]) if from_file else set()
     runs = []
     for seed in summary["seeds"]:
         for name in summary["methods"]:
@@ -344,9 +341,12 @@ def resummarize(out: Path) -> Path:
             run = Run(name, seed, [], out / "metrics" / f"{label}.jsonl", out / "logs" / f"{label}.log", cwd=out,
                       dump_dir=dump_dir if method(name).dump is not None else None, started=0.0,
                       finished=float(old["seconds"]))
-            run.records = read_records(run.metrics_path)
+            if run.label in from_summary:
+                run.summary = old
+            else:
+                run.records = read_records(run.metrics_path)
             runs.append(run)
-    summary.update(measured(runs, summary["methods"]))
+    summary.update(measured(runs, summary["methods"], summary if from_file else None))
     return write_summary_and_report(out, summary)
 
 

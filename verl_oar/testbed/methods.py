@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verl_oar.testbed.workspace import Testbed
 
 __all__ = ["BASELINE", "DEFAULT_DEMO", "METHODS", "Method", "method"]
 
@@ -19,12 +23,12 @@ class Method:
     """One credit-assignment method as the testbed runs it."""
 
     name: str
-    """``algorithm.adv_estimator``, and the method's key in summaries"""
+    """the method's key in summaries, and its ``algorithm.adv_estimator`` unless ``estimator`` says otherwise"""
     label: str
     """for figures and tables"""
     color: str
-    algorithm: Callable[[int, int], list[str]]
-    """(seed, neutral token id) -> the run's ``algorithm.*`` overrides beyond the estimator"""
+    algorithm: Callable[[int, int, Testbed], list[str]]
+    """(seed, neutral token id, the run's testbed) -> the run's ``algorithm.*`` overrides beyond the estimator"""
     signal: str | None = None
     """the per-token field of the run's dumps ranked for recall@10% of the oracle (None: no token signal)"""
     dump: Callable[[str], list[str]] | None = None
@@ -33,34 +37,51 @@ class Method:
     default_demo: bool = True
     """run by the default demo (``bash scripts/demo.sh``, <= 10 minutes on 2 cores); every method runs in
     the long run and with ``--methods``"""
+    estimator: str | None = None
+    """``algorithm.adv_estimator`` when it is not ``name`` (one estimator, two testbed methods)"""
+
+    @property
+    def adv_estimator(self) -> str:
+        return self.estimator or self.name
 
 
 def _oar_dump(directory: str) -> list[str]:
     return [f"+algorithm.oar.dump_dir={directory}"]
 
 
-def _oar_g(seed: int, neutral_id: int) -> list[str]:
+def _none(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
+    return []
+
+
+def _oar_g(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
     return [f"+algorithm.oar.seed={seed}"]
 
 
-def _oar_p(seed: int, neutral_id: int) -> list[str]:
+def _oar_p(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
     # exact mode: one occluded copy per reasoning token (the paper's definition); a space occludes
     # (in-distribution between filler words, carries no digit; see testbed.quality)
     return [f"+algorithm.oar.seed={seed}", "+algorithm.oar.perturb_mode=exact", f"+algorithm.oar.perturb_token_id={neutral_id}"]
 
 
+def _oppo_teacher(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
+    from verl_oar.testbed.teacher import check_teacher
+
+    return ["+algorithm.oppo.oracle=teacher", f"+algorithm.oppo.teacher.path={check_teacher(bed)}"]
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("grpo", "GRPO", "#555555", lambda seed, neutral_id: []),
+        Method("grpo", "GRPO", "#555555", _none),
         Method("oar_g", "OAR-G", "#1f77b4", _oar_g, signal="oar_importance", dump=_oar_dump),
         Method("oar_p", "OAR-P", "#d62728", _oar_p, signal="oar_importance", dump=_oar_dump),
         # self-teacher / self-oracle; their recipes' defaults (docs/algo/cscr.md, oppo.md). Not in the
         # default demo: five runs of ~2 minutes each do not fit its 10 minutes on 2 cores
-        Method("cscr", "CSCR", "#2ca02c", lambda seed, neutral_id: [], signal="sensitivity", dump=_oar_dump,
-               default_demo=False),
-        Method("oppo", "OPPO", "#9467bd", lambda seed, neutral_id: [], signal="oppo_evidence", dump=_oar_dump,
-               default_demo=False),
+        Method("cscr", "CSCR", "#2ca02c", _none, signal="sensitivity", dump=_oar_dump, default_demo=False),
+        Method("oppo", "OPPO", "#9467bd", _none, signal="oppo_evidence", dump=_oar_dump, default_demo=False),
+        # the teacher: the start taught to read the oracle's hint (testbed.teacher; committed beside the start)
+        Method("oppo_teacher", "OPPO-T", "#8c564b", _oppo_teacher, signal="oppo_evidence", dump=_oar_dump,
+               default_demo=False, estimator="oppo"),
     )
 }
 DEFAULT_DEMO = tuple(name for name, m in METHODS.items() if m.default_demo)

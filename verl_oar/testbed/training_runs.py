@@ -34,7 +34,7 @@ from pathlib import Path
 
 from verl_oar.cpu.launch import stop_process_group, trainer_env
 from verl_oar.cpu.overrides import cpu_overrides
-from verl_oar.testbed.methods import method
+from verl_oar.testbed.methods import method as method_entry
 from verl_oar.testbed.workspace import Testbed, max_response_tokens
 
 REWARD = "critic/score/mean"
@@ -64,11 +64,11 @@ class RunSettings:
     val_prompts: int = 64
 
 
-def method_overrides(name: str, seed: int, neutral_id: int, dump_dir: Path | None = None) -> list[str]:
+def method_overrides(name: str, seed: int, neutral_id: int, bed: Testbed, dump_dir: Path | None = None) -> list[str]:
     """``algorithm.*`` overrides of a method beyond its estimator (its ``testbed.methods`` entry); with ``dump_dir``, also
     those that make it dump its token tensors there (methods with a token signal)."""
-    entry = method(name)  # ``cpu_overrides`` sets the estimator itself (``algorithm.adv_estimator``)
-    out = list(entry.algorithm(seed, neutral_id))
+    entry = method_entry(name)  # ``cpu_overrides`` sets the estimator itself (``algorithm.adv_estimator``)
+    out = list(entry.algorithm(seed, neutral_id, bed))
     if dump_dir is not None and entry.dump is not None:
         out += entry.dump(str(dump_dir))
     return out
@@ -87,7 +87,7 @@ def run_overrides(
         steps=settings.steps,
         n=settings.n,
         batch_size=settings.batch_size,
-        adv_estimator=method,
+        adv_estimator=method_entry(method).adv_estimator,
         max_prompt_length=48,
         max_response_length=response_length,
         lr=settings.lr,
@@ -95,7 +95,7 @@ def run_overrides(
         experiment_name=name,
         seed=seed,
     )
-    out += method_overrides(method, seed, neutral_id, dump_dir)
+    out += method_overrides(method, seed, neutral_id, bed, dump_dir)
     out += [
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini_batch * settings.n}",
@@ -129,6 +129,9 @@ class Run:
     returncode: int | None = None
     steps_seen: int = 0
     records: list[dict] = field(default_factory=list)
+    summary: dict | None = None
+    """reused from an earlier summary file (``testbed.reuse``): the run's curves and credit as that summary has
+    them; the run has no metric file or dumps here"""
 
     @property
     def label(self) -> str:
@@ -222,5 +225,5 @@ def make_runs(
                    *run_overrides(bed, name, seed, settings, neutral_id=neutral_id, name=label, val_file=val_file,
                                   dump_dir=dump_dir)]
             runs.append(Run(name, seed, cmd, out_dir / "metrics" / f"{label}.jsonl", out_dir / "logs" / f"{label}.log",
-                            cwd=bed.root, dump_dir=dump_dir if method(name).dump is not None else None))
+                            cwd=bed.root, dump_dir=dump_dir if method_entry(name).dump is not None else None))
     return runs

@@ -5,6 +5,7 @@ every machine, because a warm start is not bit-identical across CPUs. ``build_te
 spec)`` is the script that rebuilt it (``python -m verl_oar.testbed.workspace DIR``) and writes::
 
     model/          byte-level tokenizer + tiny Qwen2 (as ``verl_oar.cpu.workspace``), warm-started
+    teacher/        OPPO's teacher, built from model/ by ``verl_oar.testbed.teacher`` (not by this script)
     data/train.parquet, data/val.parquet   pick_max prompts in verl's RL format (``pick_max.rl_rows``);
                     no prompt is in both
     reward.py       the reward: 1.0 if the last ``\\boxed{}`` holds the larger digit of every pair, else 0.0
@@ -132,6 +133,11 @@ class Testbed:
     @property
     def reward_file(self) -> Path:
         return self.root / "reward.py"
+
+    @property
+    def teacher_dir(self) -> Path:
+        """OPPO's teacher for this start (``testbed.teacher``; built separately, checked by fingerprint)"""
+        return self.root / "teacher"
 
     @property
     def spec(self) -> TestbedSpec:
@@ -348,7 +354,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
         start = time.time()
         _log(f"building into {root} (fingerprint {fingerprint})")
         (root / MANIFEST).unlink(missing_ok=True)
-        for stale in ("model", "data"):
+        for stale in ("model", "data", "teacher"):  # the teacher is taught from model/: stale with it
             shutil.rmtree(root / stale, ignore_errors=True)
 
         tokenizer = build_tokenizer()
@@ -397,9 +403,10 @@ def copy_testbed(source: Testbed, directory: str | os.PathLike) -> Testbed:
     """Copy a testbed's files into ``directory`` (replacing a copy there), for runs that write beside it."""
     root = Path(directory).expanduser().resolve()
     with build_lock(root):
-        for name in ("model", "data"):
+        for name in ("model", "data", "teacher"):
             shutil.rmtree(root / name, ignore_errors=True)
-            shutil.copytree(source.root / name, root / name)
+            if (source.root / name).exists():  # a testbed built without a teacher has none
+                shutil.copytree(source.root / name, root / name)
         for name in ("reward.py", MANIFEST):
             shutil.copyfile(source.root / name, root / name)
     return Testbed(root, read_manifest(root, MANIFEST))
