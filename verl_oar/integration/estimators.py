@@ -96,6 +96,14 @@ def grpo_advantage(
     return scores[local].unsqueeze(-1) * response_mask
 
 
+def sequence_values(token_advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(bs,) each row's sequence advantage, read at its first valid token of the (bs, response_len)
+    ``token_advantages`` (constant over the row under GRPO); 0 for a row with no valid token."""
+    first = mask.float().argmax(dim=1)
+    picked = token_advantages[torch.arange(len(token_advantages)), first]
+    return torch.where(mask.any(1), picked, torch.zeros_like(picked))
+
+
 def register_reshaped_grpo(name: str):
     """Register ``name`` in verl's advantage registry as :func:`reshaped_grpo_advantage` over the
     ``token_importance`` signal; returns the registered function (verl's estimator signature)."""

@@ -117,6 +117,8 @@ def after_import(module_name: str, callback: Callable[[object], None]) -> None:
 def _register_estimators(_core_algos) -> None:
     from verl_oar.integration import estimators  # noqa: F401  (registers oar_* in verl's registry)
     from verl_oar.integration import privileged_estimators  # noqa: F401  (registers cscr, oppo)
+    from verl_oar.integration import acpo_estimator  # noqa: F401  (registers acpo)
+    from verl_oar.integration import codapo_estimator  # noqa: F401  (registers codapo and its composition)
     from verl_oar.integration import upstream_hook
 
     if upstream_hook.available():  # a verl with the upstream series: its own seams, no trainer hook

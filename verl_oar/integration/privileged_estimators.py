@@ -14,15 +14,8 @@ import torch
 from verl_oar.core.cscr import CSCRConfig, cscr_advantages, cscr_stats
 from verl_oar.core.oppo import OPPOConfig, group_ids, oppo_advantages, oppo_stats
 from verl_oar.integration import privileged_signal  # noqa: F401  (registers the cscr_shifts / oppo_evidence providers)
-from verl_oar.integration.estimators import grpo_advantage
-from verl_oar.integration.signals import current_signals, needed_signals, register_token_estimator
-
-
-def _keyword_signals(name: str, response_mask: torch.Tensor, kwargs: dict):
-    signals = current_signals(name, response_mask)
-    fields = {f: kwargs[f] for provider in needed_signals(name) for f in provider.fields if f in kwargs}
-    signals.tensors.update(fields)  # a verl with the upstream advantage hooks passes them as keyword arguments
-    return signals
+from verl_oar.integration.estimators import grpo_advantage, sequence_values
+from verl_oar.integration.signals import keyword_signals, register_token_estimator
 
 
 def _no_sessions(name: str, signals) -> None:
@@ -43,14 +36,13 @@ def compute_cscr_advantage(token_level_rewards: torch.Tensor, response_mask: tor
     """``cscr``: GRPO's sequence advantage reallocated over tokens by counterfactual sensitivity
     (``core.cscr``). Rows that were not re-scored keep GRPO's uniform credit. Returns (advantages,
     returns), both (bs, response_len), 0 on padding."""
-    signals = _keyword_signals("cscr", response_mask, kwargs)
+    signals = keyword_signals("cscr", response_mask, kwargs)
     _no_sessions("cscr", signals)
     cfg = CSCRConfig.from_algorithm(config)
     norm_by_std = bool((config or {}).get("norm_adv_by_std_in_grpo", True))
     grpo = grpo_advantage(token_level_rewards, response_mask, index, epsilon, norm_by_std)
     mask = response_mask.bool()
-    first = mask.float().argmax(dim=1)
-    sequence = torch.where(mask.any(1), grpo[torch.arange(len(grpo)), first], torch.zeros(len(grpo)))
+    sequence = sequence_values(grpo, mask)
     scored = signals["cscr_scored"].bool().any(1)
     shift_mask = mask & scored[:, None]
     result = cscr_advantages(sequence, signals["cscr_pos_shift"], signals["cscr_neg_shift"], shift_mask, cfg)
@@ -72,7 +64,7 @@ def compute_oppo_advantage(token_level_rewards: torch.Tensor, response_mask: tor
                            config=None, epsilon: float = 1e-6, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``oppo`` (self-oracle): token advantages from the Bayesian value recursion over the oracle
     evidence (``core.oppo``). Returns (advantages, returns), both (bs, response_len), 0 on padding."""
-    signals = _keyword_signals("oppo", response_mask, kwargs)
+    signals = keyword_signals("oppo", response_mask, kwargs)
     _no_sessions("oppo", signals)
     cfg = OPPOConfig.from_algorithm(config)
     rewards = token_level_rewards.sum(dim=-1)

@@ -18,6 +18,7 @@ adds one provider file and one estimator file; the trainer does not change.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,11 +57,40 @@ class SignalProvider:
     what the workers need to ``config.actor_rollout_ref`` (e.g. OPPO's teacher model to load)"""
 
 
+@dataclass(frozen=True)
+class AdvantageComposer:
+    """A factor applied to every token estimator's advantages when its config asks (CoDaPO's question value)."""
+
+    name: str
+    active: Callable[[Any], bool]
+    """``active(algorithm config) -> bool``: whether this run composes"""
+    needs: tuple[str, ...]
+    """signals it reads (fetched for the run's estimator too)"""
+    apply: Callable[..., torch.Tensor]
+    """``apply(estimator, advantages, token_level_rewards, response_mask, index, config, signals) -> advantages``"""
+
+
 PLUGIN_LOAD_ERROR: str | None = None
 """set by ``plugin`` when loading failed (verl hides a plugin's exception); estimators then refuse"""
 
 SIGNALS: dict[str, SignalProvider] = {}
 ESTIMATOR_NEEDS: dict[str, tuple[str, ...]] = {}
+COMPOSERS: dict[str, AdvantageComposer] = {}
+
+
+def register_advantage_composer(name: str, active: Callable[[Any], bool], needs: tuple[str, ...] = ()):
+    """Decorator: ``apply(...)`` multiplies into every token estimator's advantages where ``active(config)``."""
+
+    def decorator(apply):
+        COMPOSERS[name] = AdvantageComposer(name=name, active=active, needs=tuple(needs), apply=apply)
+        return apply
+
+    return decorator
+
+
+def active_composers(config) -> tuple[AdvantageComposer, ...]:
+    """The composers this run's ``algorithm`` config turns on."""
+    return tuple(c for c in COMPOSERS.values() if c.active(config))
 
 
 def register_token_signal(
@@ -84,7 +114,9 @@ def register_token_signal(
 
 
 def register_token_estimator(name: str, needs: tuple[str, ...]):
-    """Decorator: register an advantage estimator in verl's registry, needing signals ``needs``.
+    """Decorator: register an advantage estimator in verl's registry, needing signals ``needs``; the
+    registered (and returned) function applies the run's active composers (``register_advantage_composer``)
+    to the estimator's advantages.
 
     Idempotent: registering a function from the same source file and name again (a module imported twice,
     or by file path) keeps the first registration instead of raising like verl's decorator does.
@@ -95,28 +127,44 @@ def register_token_estimator(name: str, needs: tuple[str, ...]):
         from verl.trainer.ppo import core_algos
 
         existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(name)
+        identity = f"{os.path.realpath(fn.__code__.co_filename)}:{fn.__qualname__}"
+
+        @functools.wraps(fn)
+        def composed(token_level_rewards, response_mask, index=None, config=None, *args, **kwargs):
+            advantages, _ = fn(token_level_rewards, response_mask, index, config, *args, **kwargs)
+            for composer in active_composers(config):
+                signals = current_signals(name, response_mask)
+                advantages = composer.apply(name, advantages, token_level_rewards, response_mask, index, config, signals)
+            return advantages, advantages
+
         # identity by source file, not module name: the same file imported under another name is the same
-        fn._verl_oar_id = f"{os.path.realpath(fn.__code__.co_filename)}:{fn.__qualname__}"
+        composed._verl_oar_id = fn._verl_oar_id = identity
         if existing is None:
-            core_algos.register_adv_est(name)(fn)
-        elif getattr(existing, "_verl_oar_id", None) != fn._verl_oar_id:
+            core_algos.register_adv_est(name)(composed)
+        elif getattr(existing, "_verl_oar_id", None) != identity:
             raise ValueError(
                 f"Advantage estimator {name!r} is already registered to {existing!r}; verl-oar cannot "
                 "register its own under the same name. Remove the other plugin or rename one of them."
             )
         ESTIMATOR_NEEDS[name] = tuple(needs)
-        return fn
+        return composed if existing is None else existing
 
     return decorator
 
 
-def needed_signals(adv_estimator: Any) -> tuple[SignalProvider, ...]:
-    """Providers the configured estimator needs, in order; empty for every non-token estimator."""
-    name = getattr(adv_estimator, "value", adv_estimator)
-    missing = [s for s in ESTIMATOR_NEEDS.get(str(name), ()) if s not in SIGNALS]
+def needed_signals(adv_estimator: Any, algorithm=None) -> tuple[SignalProvider, ...]:
+    """Providers the configured estimator needs, in order (and, with the run's ``algorithm`` config, those
+    of the composers it turns on); empty for every non-token estimator."""
+    name = str(getattr(adv_estimator, "value", adv_estimator))
+    if name not in ESTIMATOR_NEEDS:
+        return ()
+    needs = list(ESTIMATOR_NEEDS[name])
+    for composer in active_composers(algorithm) if algorithm is not None else ():
+        needs += [s for s in composer.needs if s not in needs]
+    missing = [s for s in needs if s not in SIGNALS]
     if missing:
         raise RuntimeError(f"Estimator {name!r} needs token signal(s) {missing} that no provider registered.")
-    return tuple(SIGNALS[s] for s in ESTIMATOR_NEEDS.get(str(name), ()))
+    return tuple(SIGNALS[s] for s in needs)
 
 
 @dataclass
@@ -177,6 +225,14 @@ def current_signals(estimator: str, response_mask: torch.Tensor) -> TokenSignals
                 f"Token signal {name!r} has shape {tuple(tensor.shape)} but the estimator's batch has "
                 f"response shape {tuple(response_mask.shape)}; rows or padding do not line up."
             )
+    return signals
+
+
+def keyword_signals(name: str, response_mask: torch.Tensor, kwargs: dict) -> TokenSignals:
+    """The current signals (``current_signals``), updated with the estimator's token fields found in ``kwargs``:
+    a verl with the upstream advantage hooks (docs/upstream.md) passes them as keyword arguments."""
+    signals = current_signals(name, response_mask)
+    signals.tensors.update({f: kwargs[f] for provider in needed_signals(name) for f in provider.fields if f in kwargs})
     return signals
 
 

@@ -9,7 +9,7 @@ configuration and returns
 - for an estimator that needs no token signal (grpo, gae, ...): an instance of verl's own class,
   built exactly as verl would (``type(trainer) is PPOTrainerSync``);
 - for a token-level estimator under ``sync``: ``OARTrainerSync``, verl's ``PPOTrainerSync`` plus three
-  overridden methods that call ``super()``;
+  overridden methods that call ``super()`` (and CoDaSampling's, ``codapo_sampling``, inert unless on);
 - for a token-level estimator under any other mode: a start-up refusal (``validate``).
 
 verl's legacy trainer (``trainer.use_v1=false``) has no registry: ``main_ppo_v0`` builds
@@ -29,7 +29,7 @@ from verl_oar.integration.validate import LEGACY, check_token_signals_supported,
 __all__ = ["LEGACY", "OAR_TRAINERS", "check_token_signals_supported", "install_legacy_guard", "install_trainer_hook"]
 
 OAR_TRAINERS: dict = {}
-OWN_PREFIXES = ("cscr/", "oppo/")
+OWN_PREFIXES = ("cscr/", "oppo/", "acpo/", "codapo/")
 """estimator metrics logged under their method's own prefix; every other key goes under ``oar/``"""
 """trainer mode -> the class built for a token-level estimator (only ``sync``)"""
 
@@ -86,14 +86,16 @@ def _oar_trainer_sync(base):
     """Build ``OARTrainerSync`` over verl's ``PPOTrainerSync`` (imported lazily: it is heavy)."""
     import transfer_queue as tq
 
+    from verl_oar.integration.codapo_sampling import CoDaSamplingMixin
     from verl_oar.integration.dump import dump_step
     from verl_oar.integration.signals import TokenSignals, provide, real_rows, session_final_rows
 
-    class OARTrainerSync(base):
-        """verl's sync trainer, plus token signals for estimators that declare them."""
+    class OARTrainerSync(CoDaSamplingMixin, base):
+        """verl's sync trainer, plus token signals for estimators that declare them (and CoDaSampling)."""
 
         def __init__(self, config, *args, **kwargs):
             self._token_signals = check_token_signals_supported(config, "sync")
+            self._coda_setup(config)
             self._guards = [p.guard(config) for p in self._token_signals if p.guard is not None]
             super().__init__(config, *args, **kwargs)
 

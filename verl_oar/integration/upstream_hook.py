@@ -76,6 +76,12 @@ def _hooks_class():
 
             mode = LEGACY if trainer_mode == "legacy" else trainer_mode
             self.providers = check_token_signals_supported(config, mode)
+            node = config.algorithm.get("codapo", None) or {}
+            if self._verl_oar_estimator == "codapo" and node.get("sampling", True) or node.get("compose", False):
+                raise ValueError("CoDaSampling (algorithm.codapo.sampling) and algorithm.codapo.compose run in verl-oar's "
+                                 "own trainer, which a verl with the upstream patch series does not use. Set "
+                                 "+algorithm.codapo.sampling=false (CoDaPO's weighting alone) and no compose, or use "
+                                 "verl 0.9.1 without the series.")
             self.guards = [p.guard(config) for p in self.providers if p.guard is not None]
 
         def configure_workers(self, role_worker_mapping: dict, config) -> None:

@@ -36,10 +36,11 @@ def check_token_signals_supported(config, trainer_mode: str) -> tuple:
     """
     from verl_oar.integration.signals import needed_signals
 
-    providers = needed_signals(config.algorithm.adv_estimator)
+    providers = needed_signals(config.algorithm.adv_estimator, config.algorithm)
+    name = estimator_name(config)
+    validate_codapo(config, token_level=bool(providers))
     if not providers:
         return ()
-    name = estimator_name(config)
     if trainer_mode == LEGACY:
         raise ValueError(
             f"algorithm.adv_estimator={name} needs per-token signals, which verl-oar computes in verl's "
@@ -56,6 +57,33 @@ def check_token_signals_supported(config, trainer_mode: str) -> tuple:
         if provider.validate is not None:
             provider.validate(config)
     return providers
+
+
+def validate_codapo(config, token_level: bool) -> None:
+    """``algorithm.codapo.*``: valid keys, and a combination that takes effect: ``adv_estimator=codapo``
+    (without ``compose``), or ``compose=true`` beside another of verl-oar's token estimators."""
+    from verl_oar.core.codapo import CoDaPOConfig
+
+    name = estimator_name(config)
+    node = config.algorithm.get("codapo", None)
+    if name != "codapo" and not node:
+        return
+    cfg = CoDaPOConfig.from_algorithm(config.algorithm)
+    if name == "codapo" and cfg.compose:
+        raise ValueError("algorithm.codapo.compose=true multiplies CoDaPO's question value into another token estimator's "
+                         "advantages; algorithm.adv_estimator=codapo already applies it to GRPO's. Drop compose, or set "
+                         "algorithm.adv_estimator=oar_g (oar_p, cscr, oppo, acpo).")
+    if name != "codapo" and not cfg.compose:
+        raise ValueError(f"algorithm.codapo.* is set but algorithm.adv_estimator={name} does not read it. Set "
+                         "+algorithm.codapo.compose=true to compose CoDaPO with it, or algorithm.adv_estimator=codapo.")
+    if name != "codapo" and not token_level:
+        raise ValueError(f"algorithm.codapo.compose=true composes CoDaPO with one of verl-oar's token estimators (oar_g, "
+                         f"oar_p, cscr, oppo, acpo); algorithm.adv_estimator={name} is not one of them. For CoDaPO on "
+                         "GRPO's credit use algorithm.adv_estimator=codapo.")
+    if cfg.sampling and config.data.get("gen_batch_size", None) not in (None, config.data.train_batch_size):
+        raise ValueError("CoDaSampling rebuilds a whole train batch from the previous one; data.gen_batch_size="
+                         f"{config.data.gen_batch_size} differs from data.train_batch_size={config.data.train_batch_size}. "
+                         "Leave data.gen_batch_size unset, or set +algorithm.codapo.sampling=false.")
 
 
 def validate_importance_config(config) -> None:

@@ -43,9 +43,15 @@ class OARWorkerMixin:
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict | None:
         """verl's old-log-prob pass; when the trainer marks the batch ``oar_fused``, the same pass
-        also computes token importance (one clean forward shared, see engines.driver)."""
+        also computes token importance (one clean forward shared, see engines.driver); marked
+        ``oar_acpo_modal``, it also returns ACPO's top-1 log-probs (``engines.fsdp.modal``)."""
         from verl.utils import tensordict_utils as tu
 
+        if tu.get(data, key="oar_acpo_modal", default=False):  # ACPO: the same pass also returns log p_max
+            from verl_oar.engines.fsdp.modal import modal_log_probs
+
+            with modal_log_probs(self.actor.engine):
+                return super().compute_log_prob(data)
         if not tu.get(data, key="oar_fused", default=False):
             return super().compute_log_prob(data)
         output = token_importance_on_training_worker(self.actor, data, with_log_probs=True)

@@ -1,0 +1,120 @@
+"""CoDaPO (Confidence and Difficulty-adaptive Policy Optimization): a per-question value from the group's
+confidence and difficulty scales GRPO's advantage; CoDaSampling reuses each batch on its top questions.
+
+Specification: ``../shared/METHODS.md`` section 2, read in the authors' public code
+(``tmlr-group/CoDaPO``, ``compute_codapo_advantage``). Per question ``q`` with a group of ``G`` responses:
+
+1. accuracy:    acc_q = #{i : R_i == 1} / G;  difficulty d_q = 1 - acc_q
+2. difficulty value: V_d = 1 - 4 (d_q - 1/2)^2   (1 at d = 1/2, 0 at d in {0, 1})
+3. confidence:  l_i = mean_t old_log_prob_{i,t} over response i's valid tokens (0 if it has none);
+                c_q = exp(mean_i l_i)   (the group's geometric-mean token probability)
+4. value:       v_q = c_q * V_d + weight_offset            (in [offset, 1 + offset])
+5. advantage:   A_{i,t} = v_q * A^GRPO_i                   (per question; no token-level change)
+
+CoDaSampling (:func:`select_questions`, :func:`refocused_order`): after a batch's first use, the questions
+whose value is at least the ``percentile``-quantile of the batch's values (torch's linear interpolation; ties
+can select more) are repeated ``repeat_count`` times each, cycling until the batch's size, each copy its own
+GRPO group. ``compose``: the value multiplies another token-level estimator's advantages instead of GRPO's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from verl_oar.core.config import algorithm_node
+
+__all__ = ["CoDaPOConfig", "question_values", "refocused_order", "select_questions"]
+
+
+@dataclass(frozen=True)
+class CoDaPOConfig:
+    """Everything CoDaPO reads from ``algorithm.codapo`` (the authors' defaults, METHODS.md 2.4)."""
+
+    weight_offset: float = 0.1
+    """added to every question's value: the least weight a question gets (authors: 0.1)"""
+    percentile: float = 0.75
+    """CoDaSampling: questions at or above this quantile of the batch's values are resampled (authors: 0.75)"""
+    repeat_count: int = 4
+    """CoDaSampling: copies of each selected question, each its own group (authors: 4, about 1/(1 - percentile))"""
+    sampling: bool = True
+    """CoDaSampling on (``codapo``): every batch is used twice; false: the weighting alone"""
+    compose: bool = False
+    """with another token-level estimator (``oar_g``, ``cscr``, ...): multiply its advantages by the value"""
+
+    def __post_init__(self) -> None:
+        for key in ("weight_offset", "percentile"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"algorithm.codapo.{key}={value!r} is invalid: a finite number.")
+        if self.weight_offset < 0:
+            raise ValueError(f"algorithm.codapo.weight_offset={self.weight_offset} is invalid: >= 0 (authors: 0.1).")
+        if not 0.0 <= self.percentile < 1.0:
+            raise ValueError(f"algorithm.codapo.percentile={self.percentile} is invalid: a quantile level in [0, 1).")
+        if isinstance(self.repeat_count, bool) or not isinstance(self.repeat_count, int) or self.repeat_count < 1:
+            raise ValueError(f"algorithm.codapo.repeat_count={self.repeat_count!r} is invalid: an integer >= 1.")
+        for key in ("sampling", "compose"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"algorithm.codapo.{key}={getattr(self, key)!r} is invalid: true or false.")
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "CoDaPOConfig":
+        """Read ``algorithm.codapo`` (DictConfig or dict); unknown keys are refused with the valid ones."""
+        return cls(**algorithm_node(algorithm, "codapo", cls, "docs/algo/codapo.md"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def question_values(rewards: Tensor, log_probs: Tensor, mask: Tensor, groups: Tensor, weight_offset: float = 0.1
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Steps 1-4 for every row: (v (bs,) float64, each row its question's value; parts {"accuracy",
+    "difficulty_value", "confidence"}, each (bs,) float64). ``rewards``: (bs,) outcome rewards (a row counts
+    as right when exactly 1.0, as the authors' code); ``log_probs``: (bs, T) old log-probs; ``mask``:
+    (bs, T) valid tokens; ``groups``: (bs,) long group ids (``core.oppo.group_ids``)."""
+    if log_probs.shape != mask.shape or rewards.shape != mask.shape[:1] or groups.shape != rewards.shape:
+        raise ValueError(f"CoDaPO: rewards {tuple(rewards.shape)}, log-probs {tuple(log_probs.shape)}, mask "
+                         f"{tuple(mask.shape)} and groups {tuple(groups.shape)} must be (bs,), (bs, T), (bs, T), (bs,)")
+    valid = mask.bool()
+    lp = log_probs.double()
+    if not torch.isfinite(lp[valid]).all():
+        raise ValueError("CoDaPO: an old log-prob is not finite on a response token; the confidence is undefined")
+    count = valid.sum(-1)
+    mean_lp = torch.where(count > 0, (lp * valid).sum(-1) / count.clamp(min=1), torch.zeros_like(count, dtype=torch.float64))
+    right = (rewards.double() == 1.0).double()
+    _, local = torch.unique(groups, return_inverse=True)
+    size = torch.zeros(int(local.max()) + 1 if len(local) else 0, dtype=torch.float64).index_add_(0, local, torch.ones_like(right))
+    accuracy = torch.zeros_like(size).index_add_(0, local, right) / size
+    confidence = torch.exp(torch.zeros_like(size).index_add_(0, local, mean_lp) / size)
+    difficulty_value = 1.0 - 4.0 * ((1.0 - accuracy) - 0.5) ** 2
+    value = confidence * difficulty_value + weight_offset
+    parts = {"accuracy": accuracy[local], "difficulty_value": difficulty_value[local], "confidence": confidence[local]}
+    return value[local], parts
+
+
+def select_questions(values: Sequence[float], percentile: float) -> list[int]:
+    """Indices (in order) of the questions whose value is >= the ``percentile``-quantile of ``values``
+    (``torch.quantile``, linear interpolation, as the authors' code); ties can select more."""
+    v = torch.as_tensor(list(values), dtype=torch.float64)
+    if v.numel() == 0:
+        return []
+    tau = torch.quantile(v, percentile)
+    return [i for i, x in enumerate(v.tolist()) if x >= float(tau)]
+
+
+def refocused_order(selected: Sequence[int], repeat_count: int, batch_size: int) -> list[int]:
+    """The refocused batch's questions: cycle through ``selected``, appending each ``repeat_count`` times,
+    until ``batch_size`` entries (truncated), as the authors' ``fit``. Each entry becomes its own group."""
+    if not selected:
+        raise ValueError("CoDaSampling: no question selected (an empty batch?)")
+    out: list[int] = []
+    while len(out) < batch_size:
+        for q in selected:
+            out.extend([q] * repeat_count)
+            if len(out) >= batch_size:
+                break
+    return out[:batch_size]

@@ -1,0 +1,86 @@
+"""ACPO's modal (top-1) log-probability, computed inside verl's own old-log-prob pass on the FSDP engine.
+
+``log p_max,t = max_v z_{t,v} / T - logsumexp_v(z_{t,v} / T)``: the log-probability of the most likely
+next token at every position, at the pass's temperature ``T``, from the logits that pass already holds.
+
+How: for the duration of one ``compute_log_prob`` call, :func:`modal_log_probs` wraps the engine's
+``prepare_model_outputs`` (verl 0.9.1 ``FSDPEngineWithLMHead``): verl's method runs unchanged, so
+``log_probs`` and ``entropy`` keep their bits, and the wrapper adds one key, ``MODAL_KEY``, to its output,
+computed from the same raw logits and packed exactly like ``log_probs`` (one nested row per sequence,
+prompt and response positions; the position of token ``t`` predicts ``t + 1``, as ``log_probs``). verl's
+worker returns every key of that output, so the field reaches TransferQueue beside ``log_probs``.
+
+Both of verl's layouts are handled: packed (``use_remove_padding``: logits (1, nnz, V), sequence-parallel
+shards gathered back with verl's own helper) and padded ((bs, S, V), narrowed to each sequence's length).
+Fused kernels never materialise the logits: refused at start-up (``integration.modal_signal``). Memory:
+at most one (chunk, V) float32 block beyond verl's own (``CHUNK`` positions at a time).
+Checked against verl 0.9.1; an engine without ``prepare_model_outputs`` is refused with the fix.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["CHUNK", "MODAL_KEY", "modal_log_probs", "top1_log_probs"]
+
+MODAL_KEY = "acpo_modal_log_probs"
+"""the extra output field of the pass: nested (bs, prompt + response) float32, like verl's ``log_probs``"""
+CHUNK = 4096
+"""positions per block when reducing over the vocabulary"""
+
+
+def top1_log_probs(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """(N,) float32 log p_max of every row of ``logits`` (N, V) at ``temperature`` ((N,) or a number):
+    computed in float32 block by block, without the softmax over the vocabulary being kept."""
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).clamp(min=1e-8)
+    temp = temp.expand(logits.shape[0]) if temp.dim() == 0 else temp
+    with torch.no_grad():
+        for start in range(0, logits.shape[0], CHUNK):
+            z = logits[start : start + CHUNK].float() / temp[start : start + CHUNK, None]
+            out[start : start + CHUNK] = z.max(dim=-1).values - torch.logsumexp(z, dim=-1)
+    return out
+
+
+def _full(logits):
+    from torch.distributed.tensor import DTensor
+
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits  # TP shards the vocabulary
+
+
+@contextmanager
+def modal_log_probs(engine):
+    """Inside the block, ``engine``'s forward passes also return ``MODAL_KEY`` (module docstring)."""
+    original = getattr(engine, "prepare_model_outputs", None)
+    if original is None or not hasattr(engine, "_gather_and_unpad_packed"):
+        raise RuntimeError(f"algorithm.acpo.surrogate=modal needs verl's FSDP engine (prepare_model_outputs); this "
+                           f"worker's engine is {type(engine).__name__}. Use +algorithm.acpo.surrogate=sampled.")
+
+    def prepare_model_outputs(output, output_args, micro_batch, logits_processor_func):
+        model_output = original(output, output_args, micro_batch, logits_processor_func)
+        from verl.utils import tensordict_utils as tu
+
+        offsets = micro_batch["input_ids"].offsets()
+        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            logits = _full(output.logits.squeeze(0))                               # (nnz [/ sp] + pad, V)
+            top1 = top1_log_probs(logits, output_args["temperature_rmpad"])
+            top1 = engine._gather_and_unpad_packed(top1, output_args["pad_size"])
+        else:
+            logits = _full(output.logits)                                          # (bs, S, V)
+            lengths = offsets.diff().tolist()
+            temperature = output_args["temperature"].float()
+            top1 = torch.cat([top1_log_probs(logits[i, :n], temperature[i]) for i, n in enumerate(lengths)])
+        model_output[MODAL_KEY] = torch.nested.nested_tensor_from_jagged(top1, offsets)
+        return model_output
+
+    own = engine.__dict__.get("prepare_model_outputs")  # None: the class's method
+    engine.prepare_model_outputs = prepare_model_outputs
+    try:
+        yield
+    finally:
+        if own is None:
+            del engine.prepare_model_outputs
+        else:
+            engine.prepare_model_outputs = own

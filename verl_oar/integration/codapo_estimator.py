@@ -1,0 +1,83 @@
+"""The advantage estimator ``codapo`` and CoDaPO's composition with every other token estimator: the question
+value (``core.codapo``) times GRPO's advantage, or times another estimator's token advantages
+(``+algorithm.codapo.compose=true``). Importing this module registers both.
+
+verl extension points: ``verl.trainer.ppo.core_algos.register_adv_est`` (via ``signals.register_token_estimator``)
+and the plugin's composer hook (``signals.register_advantage_composer``), which applies the value to the
+advantages of ``oar_g``, ``oar_p``, ``cscr``, ``oppo`` and ``acpo`` after they are computed. The confidence
+reads verl's ``old_log_probs`` (``log_prob_signal``). CoDaSampling, the batch's second use, is
+``codapo_sampling`` (a trainer mixin).
+
+How value and token credit interact: the value ``v_q >= weight_offset >= 0`` is one number per question, so
+it scales every token of every response of the question alike: each token keeps the sign the inner
+estimator gave it, and each response's summed credit becomes ``v_q`` times the inner estimator's (OAR, CSCR,
+ACPO: ``v_q * T * A^GRPO``; OPPO: ``v_q * (V_T - V_0)``). The inner estimator's own metrics (budget error,
+sign violations) are of its advantages before the value; ``codapo/*`` are of the value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from verl_oar.core.codapo import CoDaPOConfig, question_values
+from verl_oar.core.oppo import group_ids
+from verl_oar.integration import log_prob_signal  # noqa: F401  (registers the old_log_probs provider)
+from verl_oar.integration.estimators import grpo_advantage
+from verl_oar.integration.signals import keyword_signals, register_advantage_composer, register_token_estimator
+
+
+def _groups(index, signals) -> torch.Tensor:
+    """Group ids; verl's synthetic padding rows copy a real row's uid, so each gets a group of its own."""
+    real = signals.real_rows
+    return group_ids([key if real is None or bool(real[i]) else f"verl_oar_padding_{i}" for i, key in enumerate(index)])
+
+
+def question_value(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, config, signals
+                   ) -> torch.Tensor:
+    """(bs,) float32 v_q of every row's question; logs ``codapo/*`` and keeps ``codapo_value`` for dumps."""
+    cfg = CoDaPOConfig.from_algorithm(config)
+    rewards = token_level_rewards.sum(dim=-1)
+    value, parts = question_values(rewards, signals["old_log_probs"], response_mask, _groups(index, signals),
+                                   cfg.weight_offset)
+    rows = signals.real_rows if signals.real_rows is not None else slice(None)
+    v = value[rows]
+    signals.metrics.update({
+        "codapo/value/mean": float(v.mean()), "codapo/value/min": float(v.min()), "codapo/value/max": float(v.max()),
+        "codapo/confidence/mean": float(parts["confidence"][rows].mean()),
+        "codapo/difficulty_value/mean": float(parts["difficulty_value"][rows].mean()),
+        "codapo/accuracy/mean": float(parts["accuracy"][rows].mean()),
+    })
+    signals.artifacts["codapo_value"] = value.float()
+    return value.float()
+
+
+@register_token_estimator("codapo", needs=("old_log_probs",))
+def compute_codapo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
+                             config=None, epsilon: float = 1e-6, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``codapo``: A_{i,t} = v_q * A^GRPO_i (the authors' ``compute_codapo_advantage``). Returns (advantages,
+    returns), both (bs, response_len), 0 on padding."""
+    signals = keyword_signals("codapo", response_mask, kwargs)
+    norm_by_std = bool((config or {}).get("norm_adv_by_std_in_grpo", True))
+    grpo = grpo_advantage(token_level_rewards, response_mask, index, epsilon, norm_by_std, signals.session_final)
+    value = question_value(token_level_rewards, response_mask, index, config, signals)
+    advantages = value[:, None] * grpo * response_mask
+    signals.artifacts.update(grpo_advantages=grpo, advantages=advantages,
+                             weights=value[:, None] * response_mask.float())  # a per-question weight, flat over tokens
+    return advantages, advantages
+
+
+def composing(algorithm) -> bool:
+    """Whether the run composes CoDaPO's value with its (non-CoDaPO) token estimator."""
+    node = (algorithm or {}).get("codapo", None) or {}
+    return bool(node.get("compose", False))
+
+
+@register_advantage_composer("codapo", active=composing, needs=("old_log_probs",))
+def compose_question_value(estimator: str, advantages: torch.Tensor, token_level_rewards: torch.Tensor,
+                           response_mask: torch.Tensor, index, config, signals) -> torch.Tensor:
+    """The inner estimator's (bs, response_len) advantages times its rows' question values."""
+    value = question_value(token_level_rewards, response_mask, index, config, signals)
+    composed = value[:, None] * advantages
+    signals.artifacts.update(advantages=composed, inner_advantages=advantages)
+    return composed
