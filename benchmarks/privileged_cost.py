@@ -59,9 +59,10 @@ def _one_rank_env() -> None:
         os.environ.setdefault(key, val)
 
 
-def build_model_dir(root: Path, name: str, hidden: int, layers: int, seed: int) -> Path:
+def build_model_dir(root: Path, name: str, hidden: int, layers: int, seed: int, vocab: int | None = None) -> Path:
     """A random tiny Qwen2 (``hidden``, ``layers``) with the CPU workspace's byte tokenizer, in ``root/name``:
-    the actor (seed 0) and OPPO's teacher stand-in (another size and seed, the same tokenizer)."""
+    the actor (seed 0) and OPPO's teacher stand-in (another size and seed, the same tokenizer). ``vocab``: the
+    output layer's size (None: the tokenizer's; larger, the ids used stay the tokenizer's)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from verl_oar.cpu.workspace import build_tokenizer
@@ -69,7 +70,7 @@ def build_model_dir(root: Path, name: str, hidden: int, layers: int, seed: int) 
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False, torch_dtype="float32",
@@ -79,9 +80,9 @@ def build_model_dir(root: Path, name: str, hidden: int, layers: int, seed: int) 
     return root / name
 
 
-def build_worker(model_dir: Path, rows: int, max_len: int, teacher_dir: Path):
+def build_worker(model_dir: Path, rows: int, max_len: int, teacher_dir: Path | None):
     """verl's engine worker (the plugin's subclass, as the trainer runs it), FSDP2, fp32, one rank, one
-    sequence per log-prob micro-batch."""
+    sequence per log-prob micro-batch; with ``teacher_dir``, OPPO's teacher beside the actor."""
     import verl
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -104,10 +105,11 @@ def build_worker(model_dir: Path, rows: int, max_len: int, teacher_dir: Path):
             f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={max_len}",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
             "actor_rollout_ref.rollout.name=hf", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
+        ] + ([] if teacher_dir is None else [
             # OPPO's teacher, built with the reference model's engine settings (one sequence per micro-batch, fp32)
             f"+actor_rollout_ref.oar_teacher.path={teacher_dir}", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
             "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-        ])
+        ]))
     worker = OARActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
     worker.init_model()
     return worker

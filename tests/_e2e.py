@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 RECIPE_CPU_COPIES = ("qwen2_5_math_1_5b_oar_g", "qwen2_5_math_1_5b_oar_p", "qwen2_5_math_1_5b_cscr",
-                     "qwen2_5_math_1_5b_oppo", "qwen2_5_math_1_5b_oppo_teacher")
+                     "qwen2_5_math_1_5b_oppo", "qwen2_5_math_1_5b_oppo_teacher", "qwen2_5_math_1_5b_acpo",
+                     "qwen2_5_math_1_5b_codapo")
 """the recipes whose CPU copies train: OAR-G's in tests/e2e/test_resume_on_cpu.py (4 steps, then resumed),
-OAR-P's in tests/e2e/test_recipes_on_cpu.py, CSCR's and OPPO's (self and teacher) in tests/e2e/test_privileged_e2e_on_cpu.py; that they, with ``REF_MODEL_RUN``, cover every FSDP2 OAR
+OAR-P's in tests/e2e/test_recipes_on_cpu.py, CSCR's and OPPO's (self and teacher) in tests/e2e/test_privileged_e2e_on_cpu.py,
+ACPO's and CoDaPO's (and OAR-G's composed with CoDaPO) in tests/e2e/test_acpo_codapo_e2e_on_cpu.py; that they, with ``REF_MODEL_RUN``, cover every FSDP2 OAR
 recipe's settings is checked in tests/unit/test_recipe_configs_on_cpu.py"""
 
 REF_MODEL_RUN = (

@@ -21,7 +21,7 @@ RECIPES = recipe_names()
 _composed = functools.lru_cache(maxsize=None)(compose_recipe)
 """read-only uses: each recipe composed once (about a second each)"""
 MODELS = {"1_5b": "Qwen/Qwen2.5-Math-1.5B", "7b": "Qwen/Qwen2.5-Math-7B"}
-ESTIMATORS = ("grpo", "oar_g", "oar_p", "cscr", "oppo")
+ESTIMATORS = ("grpo", "oar_g", "oar_p", "cscr", "oppo", "acpo", "codapo")
 TOKEN_ESTIMATORS = ESTIMATORS[1:]
 ENGINES = ("", "_megatron")
 EXTRA_RECIPES = ("qwen2_5_math_1_5b_oppo_teacher",)
@@ -42,7 +42,7 @@ def test_recipe_composes_and_passes_verls_validation_and_oars_startup_checks(nam
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from verl_oar.integration import estimators, privileged_estimators  # noqa: F401  (registered as in a run)
+    from verl_oar.integration import acpo_estimator, codapo_estimator, estimators, privileged_estimators  # noqa: F401
     from verl_oar.integration.validate import check_token_signals_supported
 
     config = compose_recipe(name)
@@ -85,13 +85,17 @@ def test_recipe_mirrors_deepseek_r1_style_grpo_as_verl_runs_it(name):
         assert actor.megatron.tensor_model_parallel_size == (2 if model == "7b" else 1)
     if c.algorithm.adv_estimator in ("oar_g", "oar_p"):
         assert c.algorithm.oar.tau == 0.5 and c.algorithm.oar.outcome == "mean"  # the paper's best
-    if c.algorithm.adv_estimator in ("cscr", "oppo"):  # the shared YAML lists every key at its documented default
+    if c.algorithm.adv_estimator in ("cscr", "oppo", "acpo", "codapo"):  # the shared YAML: every key at its default
+        from verl_oar.core.acpo import ACPOConfig
+        from verl_oar.core.codapo import CoDaPOConfig
         from verl_oar.core.cscr import CSCRConfig
         from verl_oar.core.oppo import OPPOConfig
 
-        default = (CSCRConfig if c.algorithm.adv_estimator == "cscr" else OPPOConfig)()
+        default = {"cscr": CSCRConfig, "oppo": OPPOConfig, "acpo": ACPOConfig, "codapo": CoDaPOConfig}[c.algorithm.adv_estimator]()
         if name.endswith("_oppo_teacher"):
             default = OPPOConfig(oracle="teacher", teacher={"path": "Qwen/Qwen2.5-Math-7B-Instruct"})
+        if name.endswith("_acpo_megatron"):  # the modal surrogate is FSDP-only: its value under modal alignment
+            default = ACPOConfig(surrogate="sampled")
         assert OmegaConf.to_container(c.algorithm[c.algorithm.adv_estimator]) == default.to_dict()
 
 

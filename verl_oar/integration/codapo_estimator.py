@@ -48,7 +48,7 @@ def question_value(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
         "codapo/difficulty_value/mean": float(parts["difficulty_value"][rows].mean()),
         "codapo/accuracy/mean": float(parts["accuracy"][rows].mean()),
     })
-    signals.artifacts["codapo_value"] = value.float()
+    signals.artifacts.update(codapo_value=value.float(), rewards=rewards)
     return value.float()
 
 

@@ -28,6 +28,18 @@ PRIVATE_NAMES: dict[str, str] = {
         "OARTrainerSync computes (or fuses) the token signals around the old-log-prob pass",
     "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._compute_advantage":
         "OARTrainerSync reads the signals from TransferQueue and exposes them to the estimator",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._init_dataloader":
+        "CoDaSampling (codapo_sampling) doubles steps_per_epoch and the step total after verl computes them",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._next_train_batch":
+        "CoDaSampling returns the refocused batch instead of a dataloader fetch on a batch's second use",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._save_checkpoint":
+        "CoDaSampling saves its pending refocused batch beside verl's data.pt",
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._load_checkpoint":
+        "CoDaSampling restores its pending refocused batch on resume",
+    "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs":
+        "ACPO's modal surrogate (engines/fsdp/modal.py) wraps it on the engine instance for one compute_log_prob call",
+    "verl.workers.engine.fsdp.transformer_impl.FSDPEngine._gather_and_unpad_packed":
+        "ACPO's modal surrogate packs its output exactly as verl packs log_probs (engines/fsdp/modal.py)",
     "verl.workers.rollout.base._ROLLOUT_REGISTRY":
         "CPU mode only: registers the hf rollout (cpu/verl_patches.py)",
     "verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy":

@@ -8,13 +8,13 @@ import os
 
 __all__ = ["dump_step"]
 
-RESPONSE_FIELDS = ("responses", "response_mask")
+RESPONSE_FIELDS = ("prompts", "responses", "response_mask")
 """fetched from TransferQueue beside the signals, so that a dump can be read without the run's data"""
 
 
 def dump_step(dump_dir: str, step: int, batch, signals) -> None:
     """Write ``{dump_dir}/step_{step}.pt``: ``step``, ``keys`` (TransferQueue sample keys), the signals'
-    tensors and artifacts, ``responses`` (token ids), ``response_mask`` and, when verl padded the batch,
+    tensors and artifacts, ``prompts`` (token ids, a list per row), ``responses`` (token ids), ``response_mask`` and, when verl padded the batch,
     ``real_rows``; every per-token tensor padded to (bs, response_len), on CPU."""
     import torch
     import transfer_queue as tq
@@ -22,7 +22,9 @@ def dump_step(dump_dir: str, step: int, batch, signals) -> None:
     os.makedirs(dump_dir, exist_ok=True)
     payload = {"step": step, "keys": list(batch.keys), **signals.tensors, **signals.artifacts}
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(RESPONSE_FIELDS))
-    payload.update(data.to_padded_tensor())
+    prompts = [row.tolist() for row in data["prompts"].unbind()]  # unpadded: a prompt's length is its own
+    payload.update(data.exclude("prompts").to_padded_tensor())
+    payload["prompts"] = prompts
     if signals.real_rows is not None:
         payload["real_rows"] = signals.real_rows
     torch.save({k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in payload.items()},

@@ -63,6 +63,10 @@ def _oar_p(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
     return [f"+algorithm.oar.seed={seed}", "+algorithm.oar.perturb_mode=exact", f"+algorithm.oar.perturb_token_id={neutral_id}"]
 
 
+def _oar_g_codapo(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
+    return [*_oar_g(seed, neutral_id, bed), "+algorithm.codapo.compose=true"]
+
+
 def _oppo_teacher(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
     from verl_oar.testbed.teacher import check_teacher
 
@@ -82,6 +86,13 @@ METHODS: dict[str, Method] = {
         # the teacher: the start taught to read the oracle's hint (testbed.teacher; committed beside the start)
         Method("oppo_teacher", "OPPO-T", "#8c564b", _oppo_teacher, signal="oppo_evidence", dump=_oar_dump,
                default_demo=False, estimator="oppo"),
+        # ACPO: the modal surrogate from verl's own pass; CoDaPO: a per-question value (no token signal: its credit
+        # is flat over a response) with CoDaSampling, so 24 steps are 12 dataloader batches, each used twice;
+        # OAR-G x CoDaPO: OAR-G's token credit times CoDaPO's value, CoDaSampling on (docs/algo/codapo.md)
+        Method("acpo", "ACPO", "#e377c2", _none, signal="acpo_surrogate", dump=_oar_dump, default_demo=False),
+        Method("codapo", "CoDaPO", "#bcbd22", _none, default_demo=False),
+        Method("oar_g_codapo", "OAR-G x CoDaPO", "#17becf", _oar_g_codapo, signal="oar_importance", dump=_oar_dump,
+               default_demo=False, estimator="oar_g"),
     )
 }
 DEFAULT_DEMO = tuple(name for name, m in METHODS.items() if m.default_demo)

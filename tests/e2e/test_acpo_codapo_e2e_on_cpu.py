@@ -1,0 +1,106 @@
+"""ACPO, CoDaPO and OAR-G x CoDaPO end to end: the 1.5B FSDP2 recipes' CPU copies (``main_ppo`` in CPU mode
+through the recipes' own launch scripts, the math reward), 2 steps each, every dumped row's advantages checked
+against the formulas (verl_oar.core.acpo / core.codapo) from the dumped signals.
+
+ACPO: the modal surrogate comes from verl's own old-log-prob pass (``engines.fsdp.modal``); it never exceeds
+verl's entropy (H~ <= H) nor -old_log_prob (p_max >= the sampled token's probability). CoDaPO: step 1 is the
+batch's first use, step 2 its second: the prompts of step 2 are exactly step 1's top-valued questions
+(recomputed from step 1's dump), each copy a group of its own. OAR-G x CoDaPO: the advantages are the question
+value times OAR-G's, with CoDaSampling on as well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _e2e import launch_recipe
+
+from verl_oar.cpu.launch import read_metrics
+from verl_oar.cpu.overrides import metrics_file
+
+ACPO_KEYS = ("acpo/weight/success/mean", "acpo/frac_clipped", "acpo/budget_error/mean", "acpo/sign_violations",
+             "acpo/surrogate/mean", "acpo/entropy_gap/mean", "oar/timing_s/acpo_surrogate")
+CODAPO_KEYS = ("codapo/value/mean", "codapo/confidence/mean", "codapo/accuracy/mean", "codapo/sampling/pass",
+               "codapo/sampling/rollouts", "codapo/sampling/response_tokens", "codapo/sampling/policy_updates")
+
+
+def _uids(keys):
+    return [str(k).split("_")[0] for k in keys]
+
+
+def _prompts(dump):
+    return [tuple(p) for p in dump["prompts"]]
+
+
+@pytest.mark.slow
+def test_acpo_trains_and_its_dumps_follow_the_formula(cpu_workspace_dir, tmp_path):
+    from verl_oar.core.acpo import ACPOConfig, acpo_advantages
+
+    dump = tmp_path / "acpo_dump"
+    rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "acpo.log", "qwen2_5_math_1_5b_acpo", 2, "e2e_acpo",
+                            f"+algorithm.oar.dump_dir={dump}")
+    assert rc == 0, log[-6000:]
+    records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_acpo"))
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        data = record["data"]
+        assert all(k in data for k in ACPO_KEYS), [k for k in ACPO_KEYS if k not in data]
+        assert data["acpo/sign_violations"] == 0 and data["acpo/entropy_gap/mean"] >= 0
+    for step in (1, 2):
+        d = torch.load(dump / f"step_{step}.pt")
+        mask = d["response_mask"].bool()
+        h = d["acpo_surrogate"]
+        assert (h[mask] >= -1e-5).all() and (h[mask] <= d["acpo_entropy"][mask] + 1e-4).all()  # -log p_max <= H
+        grpo = d["grpo_advantages"]
+        sequence = grpo[torch.arange(len(grpo)), mask.float().argmax(1)] * mask.any(1)
+        expected = acpo_advantages(h, sequence, mask, ACPOConfig()).advantages
+        torch.testing.assert_close(d["advantages"], expected * mask, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_codapo_uses_each_batch_twice_the_second_time_on_its_top_questions(cpu_workspace_dir, tmp_path):
+    from verl_oar.core.codapo import question_values, select_questions
+    from verl_oar.core.oppo import group_ids
+
+    dump = tmp_path / "codapo_dump"
+    rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "codapo.log", "qwen2_5_math_1_5b_codapo", 2, "e2e_codapo",
+                            f"+algorithm.oar.dump_dir={dump}")
+    assert rc == 0, log[-6000:]
+    records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_codapo"))
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["data"]["codapo/sampling/pass"] for r in records] == [1.0, 2.0]
+    for record in records:
+        assert all(k in record["data"] for k in CODAPO_KEYS), [k for k in CODAPO_KEYS if k not in record["data"]]
+        assert record["data"]["codapo/sampling/rollouts"] == 16.0   # 2 prompts x 8, both uses
+    first, second = (torch.load(dump / f"step_{s}.pt") for s in (1, 2))
+    for d in (first, second):  # A = v x GRPO, v recomputed from the dumped rewards and old log-probs
+        mask = d["response_mask"].bool()
+        uids = _uids(d["keys"])
+        assert len(set(uids)) == 2                                   # two groups of 8, each its own uid
+        value, _ = question_values(d["rewards"], d["old_log_probs"], mask, group_ids(uids), 0.1)
+        torch.testing.assert_close(d["codapo_value"], value.float(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(d["advantages"], d["codapo_value"][:, None] * d["grpo_advantages"] * mask,
+                                   atol=1e-6, rtol=1e-5)
+    # step 2 = the top-valued questions of step 1 (percentile 0.75 of 2 values: the larger, or both if tied)
+    uids1, prompts1 = _uids(first["keys"]), _prompts(first)
+    by_uid = {u: (float(v), p) for u, v, p in zip(uids1, first["codapo_value"], prompts1)}
+    order = list(dict.fromkeys(uids1))
+    chosen = {by_uid[order[i]][1] for i in select_questions([by_uid[u][0] for u in order], 0.75)}
+    assert set(_prompts(second)) == chosen
+    assert not set(_uids(second["keys"])) & set(uids1)               # new groups, not step 1's
+
+
+@pytest.mark.slow
+def test_oar_g_composes_with_codapo(cpu_workspace_dir, tmp_path):
+    dump = tmp_path / "compose_dump"
+    rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "compose.log", "qwen2_5_math_1_5b_oar_g", 2, "e2e_compose",
+                            "+algorithm.codapo.compose=true", f"algorithm.oar.dump_dir={dump}")
+    assert rc == 0, log[-6000:]
+    records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_compose"))
+    assert [r["data"]["codapo/sampling/pass"] for r in records] == [1.0, 2.0]
+    assert all("codapo/value/mean" in r["data"] and "oar/timing_s/token_importance" in r["data"] for r in records)
+    for step in (1, 2):
+        d = torch.load(dump / f"step_{step}.pt")
+        mask = d["response_mask"].bool()
+        inner = d["grpo_advantages"] * d["weights"] * mask              # OAR-G: A x w~
+        torch.testing.assert_close(d["inner_advantages"], inner, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(d["advantages"], d["codapo_value"][:, None] * inner, atol=1e-6, rtol=1e-5)
