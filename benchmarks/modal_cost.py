@@ -26,13 +26,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from privileged_cost import _one_rank_env, _parameters, build_model_dir, build_worker, rollout  # noqa: E402
+from privileged_cost import _one_rank_env, _parameters, build_model_dir, build_worker, rollout, round_robin  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -72,15 +71,8 @@ def main(argv=None) -> None:
                 tu.assign_non_tensor(data, oar_acpo_modal=True)
             worker.compute_log_prob(data)
 
-        timers = {"old-log-prob pass": lambda: run(False), "with the top-1 log-prob": lambda: run(True)}
-        for fn in timers.values():  # warm-up
-            fn()
-        times: dict[str, list[float]] = {name: [] for name in timers}
-        for _ in range(args.rounds):
-            for name, fn in timers.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        times = round_robin({"old-log-prob pass": lambda: run(False), "with the top-1 log-prob": lambda: run(True)},
+                            args.rounds)
         base = statistics.median(times["old-log-prob pass"])
         config = json.loads((model_dir / "config.json").read_text())
         shapes[str(config["vocab_size"])] = {
@@ -91,7 +83,7 @@ def main(argv=None) -> None:
             # per round, pass with / pass without (the pairs ran back to back)
             "paired_ratios": [round(b / a, 3) for a, b in zip(times["old-log-prob pass"], times["with the top-1 log-prob"])],
         }
-        del worker
+        worker = None  # free the engine before the next vocabulary's
     result = {
         "command": "python benchmarks/modal_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},

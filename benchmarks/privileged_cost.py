@@ -198,14 +198,7 @@ def main(argv=None) -> None:
                                                    calls=2),
         "OPPO teacher": privileged("OPPO teacher", "OPPO", [None, OPPO_ORACLE], teacher=True),
     }
-    for fn in timers.values():  # warm-up
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in timers}
-    for _ in range(args.rounds):
-        for name, fn in timers.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = round_robin(timers, args.rounds)
     base = statistics.median(times["old-log-prob pass"])
     rollout_tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
     fed["old-log-prob pass"] = rollout_tokens
@@ -231,6 +224,20 @@ def main(argv=None) -> None:
     print(json.dumps(result["shape"]))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def round_robin(timers: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each timer's call per round: one warm-up call each, then ``rounds`` rounds calling every
+    timer once, in order (so a slow spell of the machine hits every row of a round alike)."""
+    for fn in timers.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, fn in timers.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def _parameters(model_dir: Path) -> int:
