@@ -120,13 +120,13 @@ def evidence_statistics(scorer, tokenizer, problems: Sequence[PickMaxProblem], s
 def _statistics(teacher, start, tokenizer, problems: Sequence[PickMaxProblem], bed_spec, spec: TeacherSpec) -> dict:
     """Held-out statistics: the teacher's greedy accuracy with and without the hint, and the evidence
     the teacher and the start model itself (OPPO's self-oracle at step 0) give the start's samples."""
-    from verl_oar.testbed.workspace import _is_right, max_response_tokens, sample_responses
+    from verl_oar.testbed.workspace import is_right, max_response_tokens, sample_responses
 
     limit = max_response_tokens(bed_spec)
     prompts = [p.prompt for p in problems]
     sampled = sample_responses(start, tokenizer, prompts, seed=spec.seed, max_new_tokens=limit)
     plain = sample_responses(teacher, tokenizer, prompts, seed=spec.seed, max_new_tokens=limit, greedy=True)
-    accuracy_plain = sum(_is_right(tokenizer.decode(r, skip_special_tokens=True), p) for p, (_, r) in zip(problems, plain))
+    accuracy_plain = sum(is_right(tokenizer.decode(r, skip_special_tokens=True), p) for p, (_, r) in zip(problems, plain))
     accuracy_hinted = 0
     for p in problems:  # one at a time: sample_responses renders the plain prompt
         import torch
@@ -135,7 +135,7 @@ def _statistics(teacher, start, tokenizer, problems: Sequence[PickMaxProblem], b
         with torch.no_grad():
             out = teacher.generate(ids, max_new_tokens=limit, do_sample=False, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id)
-        accuracy_hinted += _is_right(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), p)
+        accuracy_hinted += is_right(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), p)
     n = len(problems)
     return {
         "samples": n,

@@ -55,6 +55,7 @@ __all__ = [
     "build_testbed",
     "committed_testbed",
     "copy_testbed",
+    "is_right",
     "max_response_tokens",
     "sample_responses",
     "sample_statistics",
@@ -294,9 +295,9 @@ def sample_statistics(model, tokenizer, problems: Sequence[PickMaxProblem], spec
     right = greedy_right = answered = copies = second_larger = picked_max = 0
     filler, pivotal = [], []
     for problem, (prompt, response), (_, greedy_response) in zip(problems, sampled, greedy):
-        greedy_right += _is_right(tokenizer.decode(greedy_response, skip_special_tokens=True), problem)
+        greedy_right += is_right(tokenizer.decode(greedy_response, skip_special_tokens=True), problem)
         text = tokenizer.decode(response, skip_special_tokens=True)
-        right += _is_right(text, problem)
+        right += is_right(text, problem)
         masks = oracle_token_masks(response, tokenizer)
         if masks is None:
             continue
@@ -328,7 +329,8 @@ def sample_statistics(model, tokenizer, problems: Sequence[PickMaxProblem], spec
     }
 
 
-def _is_right(text: str, problem: PickMaxProblem) -> bool:
+def is_right(text: str, problem: PickMaxProblem) -> bool:
+    """Whether a response text boxes the problem's answer (the larger digit of every pair)."""
     trace = parse_response(text)
     return trace is not None and text[trace.answer.start : trace.answer.end].strip() == problem.answer
 
