@@ -77,6 +77,8 @@ def composing(algorithm) -> bool:
 def compose_question_value(estimator: str, advantages: torch.Tensor, token_level_rewards: torch.Tensor,
                            response_mask: torch.Tensor, index, config, signals) -> torch.Tensor:
     """The inner estimator's (bs, response_len) advantages times its rows' question values."""
+    if estimator == "codapo":  # already applied (and refused at start-up with compose)
+        return advantages
     value = question_value(token_level_rewards, response_mask, index, config, signals)
     composed = value[:, None] * advantages
     signals.artifacts.update(advantages=composed, inner_advantages=advantages)
