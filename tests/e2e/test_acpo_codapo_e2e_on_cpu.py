@@ -34,6 +34,7 @@ def _prompts(dump):
 @pytest.mark.slow
 def test_acpo_trains_and_its_dumps_follow_the_formula(cpu_workspace_dir, tmp_path):
     from verl_oar.core.acpo import ACPOConfig, acpo_advantages
+    from verl_oar.integration.estimators import sequence_values
 
     dump = tmp_path / "acpo_dump"
     rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "acpo.log", "qwen2_5_math_1_5b_acpo", 2, "e2e_acpo",
@@ -51,7 +52,7 @@ def test_acpo_trains_and_its_dumps_follow_the_formula(cpu_workspace_dir, tmp_pat
         h = d["acpo_surrogate"]
         assert (h[mask] >= -1e-5).all() and (h[mask] <= d["acpo_entropy"][mask] + 1e-4).all()  # -log p_max <= H
         grpo = d["grpo_advantages"]
-        sequence = grpo[torch.arange(len(grpo)), mask.float().argmax(1)] * mask.any(1)
+        sequence = sequence_values(grpo, mask)
         expected = acpo_advantages(h, sequence, mask, ACPOConfig()).advantages
         torch.testing.assert_close(d["advantages"], expected * mask, atol=1e-6, rtol=1e-5)
 

@@ -51,7 +51,6 @@ class CoDaSamplingMixin:
     _coda: CoDaPOConfig | None = None
     _coda_source = None
     _coda_rows = None
-    _coda_stats: dict | None = None
 
     def _coda_setup(self, config) -> None:
         self._coda = sampling_config(config)
@@ -63,7 +62,7 @@ class CoDaSamplingMixin:
         super()._init_dataloader(*args, **kwargs)
         if self._coda is None:
             return
-        from omegaconf import open_dict
+        from omegaconf import OmegaConf, open_dict
 
         self.steps_per_epoch *= 2
         if self.config.trainer.total_training_steps is None:
@@ -71,8 +70,6 @@ class CoDaSamplingMixin:
             horizon = self.total_training_steps * self.parameter_sync_step
             with open_dict(self.config):
                 for node in ("actor_rollout_ref.actor.optim", "critic.optim"):
-                    from omegaconf import OmegaConf
-
                     if OmegaConf.select(self.config, node):
                         OmegaConf.select(self.config, node).total_training_steps = horizon
 
@@ -99,14 +96,16 @@ class CoDaSamplingMixin:
         if self._coda is None:
             return batch
         first = self._first_use()
-        values = self._question_values(batch)
-        metrics.update(self._usage(batch, first))
+        values, usage = self._read_step(batch)
+        metrics.update({"codapo/sampling/pass": 1.0 if first else 2.0, "codapo/sampling/policy_updates": 1.0, **usage})
+        metrics[f"codapo/sampling/{'first' if first else 'second'}_pass_reward"] = metrics.pop("codapo/sampling/reward")
         if first:
             metrics.update(self._refocus(values))
         return batch
 
-    def _question_values(self, batch) -> dict[str, float]:
-        """uid -> v_q of this step's questions (verl's synthetic padding rows left out)."""
+    def _read_step(self, batch) -> tuple[dict[str, float], dict[str, float]]:
+        """(uid -> v_q of this step's questions, its rollouts / response tokens / mean reward for the equal-compute
+        metrics), from one TransferQueue read; verl's synthetic padding rows left out."""
         import transfer_queue as tq
 
         from verl_oar.core.oppo import group_ids
@@ -118,8 +117,9 @@ class CoDaSamplingMixin:
         mask = data["response_mask"].bool()
         rewards = (data["rm_scores"].float() * mask).sum(-1)
         value, _ = question_values(rewards, data["old_log_probs"], mask, group_ids(uids), self._coda.weight_offset)
-        self._coda_stats = {"reward": float(rewards.mean()) if len(rewards) else 0.0}
-        return {u: float(v) for u, v in zip(uids, value.tolist())}
+        usage = {"codapo/sampling/rollouts": float(len(keys)), "codapo/sampling/response_tokens": float(mask.sum()),
+                 "codapo/sampling/reward": float(rewards.mean()) if len(rewards) else 0.0}
+        return {u: float(v) for u, v in zip(uids, value.tolist())}, usage
 
     def _refocus(self, values: dict[str, float]) -> dict[str, float]:
         """Select this batch's top questions and keep the refocused batch for the next step."""
@@ -133,18 +133,6 @@ class CoDaSamplingMixin:
         return {"codapo/sampling/selected_frac": len(chosen) / max(1, len(uids)),
                 "codapo/sampling/selected_questions": float(len(chosen)),
                 "codapo/sampling/repeats_mean": len(order) / max(1, len(set(order)))}
-
-    def _usage(self, batch, first: bool) -> dict[str, float]:
-        """Per step: which use of its batch this is, rollouts and response tokens (for equal-compute comparisons)."""
-        import transfer_queue as tq
-
-        real = [k for k, tag in zip(batch.keys, batch.tags) if not (tag or {}).get("is_padding", False)]
-        mask = tq.kv_batch_get(keys=real, partition_id=batch.partition_id, select_fields=["response_mask"])
-        tokens = float(torch.nested.to_padded_tensor(mask["response_mask"], 0).sum()) if real else 0.0
-        out = {"codapo/sampling/pass": 1.0 if first else 2.0, "codapo/sampling/rollouts": float(len(real)),
-               "codapo/sampling/response_tokens": tokens, "codapo/sampling/policy_updates": 1.0}
-        out["codapo/sampling/first_pass_reward" if first else "codapo/sampling/second_pass_reward"] = self._coda_stats["reward"]
-        return out
 
     def _save_checkpoint(self, *args, **kwargs):
         super()._save_checkpoint(*args, **kwargs)
