@@ -1,0 +1,48 @@
+"""ACPO's top-1 log-probability reduction (``engines.fsdp.modal.top1_log_probs``) against a per-row float64
+reference ``max(z/T) - logsumexp(z/T)``, on fresh random logits: float32 and bfloat16 inputs, one temperature or
+one per row, blocks of one row, a few rows and the whole tensor (the block size must not change a value)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_oar.engines.fsdp import modal
+
+
+def _reference(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    out = []
+    for row, t in zip(logits.double(), temperature.double()):
+        z = row / t
+        out.append(z.max() - torch.logsumexp(z, 0))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 2e-5)])
+@pytest.mark.parametrize("block_bytes", [1, 3 * 4 * 997, 1 << 30])  # one row, three rows, all rows
+@pytest.mark.parametrize("seed", [0, 1])
+def test_equals_a_per_row_reference(monkeypatch, dtype, tolerance, block_bytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(37, 997, generator=g) * 4).to(dtype)
+    logits[5, 17] = 60.0  # a peaked row: p_max ~ 1, log p_max ~ 0
+    temperature = torch.rand(37, generator=g) * 1.5 + 0.2
+    monkeypatch.setitem(modal.BLOCK_BYTES, "cpu", block_bytes)
+    got = modal.top1_log_probs(logits, temperature)
+    # the reference sees the same (rounded) inputs: bf16 logits are exact in float64
+    want = _reference(logits, temperature)
+    assert got.dtype == torch.float32 and got.shape == (37,)
+    assert torch.allclose(got.double(), want, atol=tolerance, rtol=0), (got.double() - want).abs().max()
+    assert (got <= 0).all() and got[5] > -1e-6
+
+
+def test_one_temperature_for_all_rows_and_logits_untouched():
+    logits = torch.randn(9, 300, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    got = modal.top1_log_probs(logits, 0.7)
+    assert torch.equal(logits, before)
+    assert torch.allclose(got.double(), _reference(logits, torch.full((9,), 0.7)), atol=2e-6, rtol=0)
+
+
+def test_uniform_logits_give_minus_log_vocab():
+    got = modal.top1_log_probs(torch.zeros(4, 128), torch.ones(4))
+    assert torch.allclose(got, torch.full((4,), -torch.log(torch.tensor(128.0)).item()), atol=1e-6)
