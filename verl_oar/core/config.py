@@ -69,6 +69,10 @@ class OARConfig:
     perturb_budget: int = 16
     """OAR-P: K, the most occluded copies per response in chunk and line modes (cost grows with K,
     not with the response length)"""
+    perturb_refine_top: int = 2
+    """OAR-P ``hierarchical`` mode: m, how many of the ``perturb_budget`` coarse chunks are refined"""
+    perturb_refine_unit: int = 1
+    """OAR-P ``hierarchical`` mode: tokens per refined span (1: single tokens)"""
     perturb_token_id: int = -1
     """OAR-P: the token an occluded token is replaced by; -1 = the tokenizer's pad token (else eos)"""
     perturb_max_tokens: int = 0
@@ -160,7 +164,8 @@ class OARConfig:
 
     def perturbation_config(self, share_prefix: bool = True) -> PerturbationConfig:
         return PerturbationConfig(
-            outcome=self.outcome, mode=self.perturb_mode, budget=self.perturb_budget, share_prefix=share_prefix
+            outcome=self.outcome, mode=self.perturb_mode, budget=self.perturb_budget, share_prefix=share_prefix,
+            refine_top=self.perturb_refine_top, refine_unit=self.perturb_refine_unit,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from verl_oar.core.gradient import GradientConfig, gradient_importance
 from verl_oar.core.outcome import padded_predicting_positions
 from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans, perturbation_importance
 
-__all__ = ["HFPrefixModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix", "hf_importance",
+__all__ = ["HFPrefixModel", "HFRowsModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix", "hf_importance",
            "make_hf_logits_fn"]
 
 def _unwrapped(module):
@@ -265,3 +265,76 @@ class OutcomeHead:
                 f"{(mine - theirs).abs().max().item():.3g}: the model post-processes its logits in a way verl-oar "
                 "does not reproduce. Use algorithm.adv_estimator=oar_p or grpo for this model, and report it."
             )
+
+
+class HFRowsModel:
+    """A transformers causal LM as OAR-P's :class:`~verl_oar.core.batched_perturbation.RowsModel`.
+
+    One call pads its rows to the right edge twice: each row's cached prefix is right-aligned in ``P`` cache
+    slots (P = the longest prefix) and its new tokens in ``N`` columns, with a (rows, P + N) attention mask
+    that is 1 on real slots and explicit position ids. So every row's last positions are the same columns
+    (one ``logits_to_keep``), a padding column still sees its row's real prefix, and flash-attention's unpadding,
+    sdpa and eager masks all give each row exactly its own sequence. A row's cache is per layer (key, value) of
+    shape (kv_heads, length, head_dim)."""
+
+    def __init__(self, module, context: Callable[[], AbstractContextManager] = nullcontext, pad_id: int = 0):
+        """``module``: the causal LM (plain or FSDP-wrapped); ``context``: entered around every call (e.g.
+        autocast); ``pad_id``: the token id in padding columns (never attended to)."""
+        self.module = module
+        self.context = context
+        self.pad_id = pad_id
+        self.keep_supported = accepts_logits_to_keep(module)
+        self.shares_cache = can_share_prefix(module)
+
+    def prefix(self, cache, length: int):
+        return [(k[:, :length], v[:, :length]) for k, v in cache]
+
+    def __call__(self, rows):
+        from transformers import DynamicCache
+
+        device = rows[0].ids.device
+        m = len(rows)
+        P, N = max(r.past_len for r in rows), max(r.ids.numel() for r in rows)
+        keep = max(max(r.keep for r in rows), 1)
+        ids = torch.full((m, N), self.pad_id, dtype=torch.long, device=device)
+        positions = torch.zeros((m, N), dtype=torch.long, device=device)
+        mask = torch.zeros((m, P + N), dtype=torch.long, device=device)
+        for j, r in enumerate(rows):
+            n = r.ids.numel()
+            ids[j, N - n :] = r.ids
+            positions[j, N - n :] = r.positions
+            positions[j, : N - n] = r.positions[0]
+            mask[j, P - r.past_len : P] = 1
+            mask[j, P + N - n :] = 1
+        kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": positions, "attention_mask": mask,
+                                  "use_cache": any(r.cache for r in rows)}
+        if P > 0:
+            layers = []
+            for layer in range(len(next(r.past for r in rows if r.past is not None))):
+                k0, v0 = next(r.past for r in rows if r.past is not None)[layer]
+                keys = k0.new_zeros((m, k0.shape[0], P, k0.shape[2]))
+                values = v0.new_zeros((m, v0.shape[0], P, v0.shape[2]))
+                for j, r in enumerate(rows):
+                    if r.past_len:
+                        k, v = r.past[layer]
+                        keys[j, :, P - r.past_len :] = k
+                        values[j, :, P - r.past_len :] = v
+                layers.append((keys, values))
+            kwargs["past_key_values"] = DynamicCache(ddp_cache_data=layers)
+            kwargs["use_cache"] = True
+        if self.keep_supported:
+            kwargs["logits_to_keep"] = keep
+        with self.context():
+            out = self.module(**kwargs)
+        logits = out.logits[:, -keep:]
+        got_logits = [logits[j, keep - r.keep :] if r.keep else None for j, r in enumerate(rows)]
+        caches = []
+        for j, r in enumerate(rows):
+            if not r.cache:
+                caches.append(None)
+                continue
+            n = r.ids.numel()
+            caches.append([(torch.cat([layer.keys[j, :, P - r.past_len : P], layer.keys[j, :, P + N - n :]], dim=1),
+                            torch.cat([layer.values[j, :, P - r.past_len : P], layer.values[j, :, P + N - n :]], dim=1))
+                           for layer in out.past_key_values.layers])
+        return got_logits, caches

@@ -47,8 +47,9 @@ __all__ = [
     "perturbation_importance",
 ]
 
-MODES = ("exact", "chunk", "line")
-"""Occlusion units: every reasoning token, K contiguous chunks, K groups of reasoning steps."""
+MODES = ("exact", "chunk", "line", "hierarchical")
+"""Occlusion units: every reasoning token, K contiguous chunks, K groups of reasoning steps, or K chunks
+then the top ``refine_top`` of them split into units of ``refine_unit`` tokens (``core.hierarchical``)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class PerturbationConfig:
     """K, the most occlusions per response in ``chunk`` and ``line`` modes; unused by ``exact``."""
     share_prefix: bool = True
     """Reuse the clean pass's KV cache before each span (exact either way; off only to measure)."""
+    refine_top: int = 2
+    """m, ``hierarchical`` mode: how many of the K coarse chunks (the most important) are refined."""
+    refine_unit: int = 1
+    """``hierarchical`` mode: tokens per refined span (1: every token of a refined chunk on its own)."""
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -74,6 +79,9 @@ class PerturbationConfig:
                 f"algorithm.oar.perturb_budget={self.budget!r} is invalid: it is K, the most occlusions per "
                 "response in chunk/line modes, an integer >= 1."
             )
+        for key, value in (("perturb_refine_top", self.refine_top), ("perturb_refine_unit", self.refine_unit)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"algorithm.oar.{key}={value!r} is invalid: an integer >= 1 (hierarchical mode).")
 
 
 @dataclass
@@ -133,6 +141,9 @@ def occlusion_spans(reasoning: Tensor, mode: str, budget: int, line_end: Tensor 
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
+    if mode == "hierarchical":
+        raise ValueError("mode='hierarchical' builds its spans in two rounds (verl_oar.core.hierarchical); "
+                         "occlusion_spans gives its first round with mode='chunk'")
     reasoning = reasoning.to(torch.bool)
     span = torch.full(reasoning.shape, -1, dtype=torch.long, device=reasoning.device)
     where = reasoning.nonzero().squeeze(1)

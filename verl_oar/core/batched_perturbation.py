@@ -1,0 +1,258 @@
+"""OAR-P for a batch of sequences: occluded copies of different samples share model calls.
+
+The importance is exactly :func:`verl_oar.core.perturbation.perturbation_importance`'s, sample by sample
+(``I_s = KL(P_final || P_final^(s))``, or ``phi - phi^(s)`` for AS-JOINT); what changes is how the passes
+are laid out. A pass is a list of :class:`Row` (new tokens that continue a row's own cached prefix) and a
+:class:`RowsModel` runs rows of different samples, prefix lengths and lengths in one call. Three stages:
+
+1. **prompts** (with prefix sharing): every distinct prompt once, keeping its KV cache: the ``n``
+   responses of a prompt share it;
+2. **clean**: each sample's tokens after its prompt up to ``end`` (the last position that predicts an
+   answer token, + 1), continuing the prompt's cache; keeps the sample's clean cache and its clean outcome;
+3. **copies**: for each span ``s`` starting at ``p_s``, the occluded tokens ``x^(s)[p_s:end]`` continuing
+   the sample's clean cache of ``[0, p_s)``: a copy feeds only the tokens from its own span on.
+
+Rows are sorted by how many tokens they feed and packed into calls while ``rows x (longest prefix + longest
+new part) <= max_tokens`` (the padded size of the call's attention; the caller passes verl's log-prob token
+budget); a row alone over the budget is called alone. Without prefix sharing (``share_prefix=False``: a model
+whose cache cannot be reused, or Megatron) every row starts at position 0 and the three stages become
+one clean row and one full copy per span, still batched across samples.
+
+Only the positions that predict an answer token are read, so each row asks for its last ``keep`` logits. A
+span that starts after the first predicting position starts its copy there instead (clean tokens recomputed,
+rare: reasoning precedes the answer). No gradient is computed; the model is not modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from verl_oar.core.outcome import outcome_divergence, outcome_statistic
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
+
+__all__ = ["Row", "RowsModel", "Sample", "batched_perturbation_importance", "plan_calls"]
+
+
+@dataclass
+class Sample:
+    """One sequence to score."""
+
+    ids: Tensor
+    """(L,) long, prompt + response tokens"""
+    positions: Tensor
+    """(L,) long, their position ids"""
+    span: Tensor
+    """(L,) long, the occlusion of each token (``occlusion_spans``), -1 if none"""
+    predict: Tensor
+    """(L,) bool, positions whose logits predict an answer token"""
+    temperature: float = 1.0
+    """the rollout temperature; logits are divided by it"""
+    prompt_len: int = 0
+    """leading tokens that samples with the same tokens there share (0: none shared)"""
+
+
+@dataclass
+class Row:
+    """One row of a model call: ``ids`` continue a cached prefix of ``past_len`` tokens (``past``)."""
+
+    ids: Tensor
+    """(n,) long, the new tokens"""
+    positions: Tensor
+    """(n,) long, their position ids"""
+    past: Any = None
+    """the model's cache of this row's first ``past_len`` tokens (from an earlier row's ``cache=True``), or None"""
+    past_len: int = 0
+    keep: int = 0
+    """how many of the last positions' logits to return (0: none)"""
+    cache: bool = False
+    """return this row's cache of all its ``past_len + n`` tokens"""
+
+
+class RowsModel(Protocol):
+    """A causal LM that runs rows with prefixes of their own in one call."""
+
+    shares_cache: bool
+    """whether a row's cache can be continued (False: every row must start at position 0)"""
+
+    def __call__(self, rows: list[Row]) -> tuple[list[Tensor | None], list[Any]]:
+        """Per row: (keep, V) logits of its last ``keep`` positions (None if ``keep`` is 0) and its cache (None
+        unless ``cache``)."""
+        ...
+
+    def prefix(self, cache: Any, length: int) -> Any:
+        """The cache of the first ``length`` tokens of a row's cache."""
+        ...
+
+
+def call_tokens(rows: list[Row]) -> int:
+    """Padded size of a call: rows x (longest prefix + longest new part)."""
+    return len(rows) * (max(r.past_len for r in rows) + max(r.ids.numel() for r in rows))
+
+
+def plan_calls(rows: list[Row], max_tokens: int) -> list[list[int]]:
+    """Indices of ``rows`` per model call: longest new part first, each call within ``max_tokens`` (padded, see
+    :func:`call_tokens`) unless it holds a single row."""
+    order = sorted(range(len(rows)), key=lambda i: (-rows[i].ids.numel(), -rows[i].past_len, i))
+    calls: list[list[int]] = []
+    for i in order:
+        if calls and call_tokens([rows[j] for j in calls[-1]] + [rows[i]]) <= max_tokens:
+            calls[-1].append(i)
+        else:
+            calls.append([i])
+    return calls
+
+
+@dataclass
+class _Plan:
+    """What the three stages need per sample."""
+
+    keep: Tensor          # (k,) predicting positions
+    end: int              # the last predicting position + 1
+    targets: Tensor       # (k,) the answer tokens they predict
+    spans: list[int] = field(default_factory=list)    # live spans (start < end), in id order
+    starts: list[int] = field(default_factory=list)   # each live span's copy start
+
+
+def _plan(sample: Sample) -> _Plan | None:
+    keep = sample.predict.to(torch.bool).nonzero().squeeze(1)
+    occluded = (sample.span >= 0).nonzero().squeeze(1)
+    if keep.numel() == 0 or occluded.numel() == 0:
+        return None
+    end = int(keep[-1]) + 1
+    num = int(sample.span.max()) + 1
+    first = torch.full((num,), sample.ids.numel(), dtype=torch.long, device=sample.ids.device)
+    first = first.scatter_reduce(0, sample.span[occluded], occluded, "amin").tolist()
+    plan = _Plan(keep=keep, end=end, targets=sample.ids[keep + 1])
+    for s in range(num):
+        if first[s] < end:  # a span after the answer moves nothing
+            plan.spans.append(s)
+            plan.starts.append(min(first[s], int(keep[0])))  # keep's logits must come from the copy's call
+    return plan
+
+
+def _run(model: RowsModel, rows: list[Row], max_tokens: int, cost: PerturbationCost,
+         sample_costs: list[PerturbationCost], owners: list[list[int]]) -> tuple[list, list]:
+    """Run ``rows`` in planned calls; ``owners[i]``: the samples row i's tokens are charged to (shared evenly)."""
+    logits: list = [None] * len(rows)
+    caches: list = [None] * len(rows)
+    for call in plan_calls(rows, max_tokens):
+        batch = [rows[i] for i in call]
+        out_logits, out_caches = model(batch)
+        padded = call_tokens(batch)
+        cost.add(PerturbationCost(forwards=1, tokens=sum(r.ids.numel() for r in batch), peak_call_tokens=padded))
+        touched = set()
+        for i, lg, ch in zip(call, out_logits, out_caches, strict=True):
+            logits[i], caches[i] = lg, ch
+            for s in owners[i]:
+                sample_costs[s].tokens += rows[i].ids.numel() / len(owners[i])
+                touched.add(s)
+        for s in touched:
+            sample_costs[s].forwards += 1
+            sample_costs[s].peak_call_tokens = max(sample_costs[s].peak_call_tokens, padded)
+    return logits, caches
+
+
+def _outcomes(logits: list[Tensor], plans: list[_Plan], samples: list[Sample], which: list[int], outcome: str):
+    """Outcome statistic of each row (its logits at its sample's predicting positions), batched."""
+    rows, targets, segment = [], [], []
+    for j, (lg, s) in enumerate(zip(logits, which, strict=True)):
+        plan = plans[s]
+        picked = lg[(plan.keep - (plan.end - lg.shape[0])).to(lg.device)]  # (k, V): the last rows are end - keep
+        rows.append(picked.float() / samples[s].temperature)
+        targets.append(plan.targets.to(lg.device))
+        segment.append(torch.full((picked.shape[0],), j, dtype=torch.long, device=lg.device))
+    return outcome_statistic(torch.cat(rows), torch.cat(targets), torch.cat(segment), len(which), outcome)
+
+
+def batched_perturbation_importance(
+    model: RowsModel,
+    samples: list[Sample],
+    neutral_id: int,
+    cfg: PerturbationConfig,
+    max_tokens: int,
+) -> tuple[list[Tensor], list[PerturbationCost], PerturbationCost]:
+    """OAR-P importance of every sample, copies of different samples sharing model calls (module docstring).
+
+    Args:
+        model: a :class:`RowsModel`; with ``cfg.share_prefix`` and ``model.shares_cache`` caches are reused.
+        samples: the sequences (:class:`Sample`), on the model's device.
+        neutral_id: the token an occluded token becomes.
+        cfg: the outcome, and whether to share prefixes (``mode`` / ``budget`` were used to build the spans).
+        max_tokens: the padded token budget of one model call (:func:`call_tokens`).
+
+    Returns:
+        per sample (L,) float32 importance (every token of a span gets the span's; 0 off spans, and everywhere
+        without a predicting position), per sample its cost (tokens fed, shared rows split evenly; the calls
+        it took part in; the largest of them; its copies) and the whole batch's cost (calls, tokens fed).
+    """
+    share = cfg.share_prefix and getattr(model, "shares_cache", False)
+    plans = [_plan(s) for s in samples]
+    live = [i for i, p in enumerate(plans) if p is not None]
+    out = [torch.zeros(s.ids.numel(), dtype=torch.float32, device=s.ids.device) for s in samples]
+    sample_costs = [PerturbationCost() for _ in samples]
+    cost = PerturbationCost()
+    if not live:
+        return out, sample_costs, cost
+
+    with torch.no_grad():
+        # 1. prompts: each distinct prompt once (a prompt is cut before the first position the sample needs fed)
+        prompt_of: dict[int, int] = {}
+        prompt_rows: list[Row] = []
+        prompt_owners: list[list[int]] = []
+        if share:
+            seen: dict[tuple, int] = {}
+            for i in live:
+                s, plan = samples[i], plans[i]
+                cut = min(s.prompt_len, int(plan.keep[0]))
+                if cut < 1:
+                    continue
+                key = (tuple(s.ids[:cut].tolist()), tuple(s.positions[:cut].tolist()))
+                if key not in seen:
+                    seen[key] = len(prompt_rows)
+                    prompt_rows.append(Row(s.ids[:cut], s.positions[:cut], cache=True))
+                    prompt_owners.append([])
+                prompt_of[i] = seen[key]
+                prompt_owners[seen[key]].append(i)
+        _, prompt_caches = _run(model, prompt_rows, max_tokens, cost, sample_costs, prompt_owners)
+
+        # 2. clean rows, continuing the prompt's cache
+        clean_rows = []
+        for i in live:
+            s, plan = samples[i], plans[i]
+            cut = prompt_rows[prompt_of[i]].ids.numel() if i in prompt_of else 0
+            past = prompt_caches[prompt_of[i]] if i in prompt_of else None
+            clean_rows.append(Row(s.ids[cut : plan.end], s.positions[cut : plan.end], past=past, past_len=cut,
+                                  keep=plan.end - int(plan.keep[0]), cache=share))
+        clean_logits, clean_caches = _run(model, clean_rows, max_tokens, cost, sample_costs, [[i] for i in live])
+        clean = dict(zip(live, _outcomes(clean_logits, plans, samples, live, cfg.outcome).unbind(0), strict=True))
+        del prompt_caches
+
+        # 3. copies: from the span's first position on, continuing the clean cache
+        copy_rows, copy_of = [], []
+        for i, clean_cache in zip(live, clean_caches, strict=True):
+            s, plan = samples[i], plans[i]
+            for span_id, start in zip(plan.spans, plan.starts, strict=True):
+                p0 = start if share else 0
+                ids = s.ids[p0 : plan.end].clone()
+                ids[s.span[p0 : plan.end] == span_id] = neutral_id
+                past = model.prefix(clean_cache, p0) if share and p0 > 0 else None
+                copy_rows.append(Row(ids, s.positions[p0 : plan.end], past=past, past_len=p0 if share else 0,
+                                     keep=plan.end - int(plan.keep[0])))
+                copy_of.append((i, span_id))
+            sample_costs[i].copies += len(plan.spans)
+        cost.copies = len(copy_rows)
+        del clean_caches
+        if not copy_rows:
+            return out, sample_costs, cost
+        copy_logits, _ = _run(model, copy_rows, max_tokens, cost, sample_costs, [[i] for i, _ in copy_of])
+        owners = [i for i, _ in copy_of]
+        perturbed = _outcomes(copy_logits, plans, samples, owners, cfg.outcome)
+        reference = torch.stack([clean[i] for i in owners])
+        divergence = outcome_divergence(reference, perturbed, cfg.outcome).float()
+        for (i, span_id), d in zip(copy_of, divergence.tolist(), strict=True):
+            out[i][samples[i].span == span_id] = d
+    return out, sample_costs, cost
