@@ -11,8 +11,8 @@ respects verl's packing, batch-first [B, S, V] logits. What runs for real:
   without sequence parallelism, THD and BSHD; compared with ``importance.gradient`` run per
   sequence, unpacked (the reference the FSDP engine is checked against); every rank must return
   the same scores, and parameters, grads and router counters are left as found;
-* OAR-P: ``engines.megatron.perturbation.MegatronRowsModel`` under ``perturbation_importance``
-  against the naive per-copy loop, THD and BSHD.
+* OAR-P: ``engines.megatron.perturbation.MegatronRowsModel`` under ``batched_perturbation_importance``
+  (copies of all samples in shared packed calls) against the naive per-copy loop, THD and BSHD.
 
 The ranks run in subprocesses (this file's ``__main__``): torch.distributed's group is process-global.
 """
@@ -231,38 +231,41 @@ def test_megatron_oar_g_leaves_parameters_grads_and_router_counters_as_found(tp2
 
 @pytest.mark.parametrize("thd", [True, False])
 @pytest.mark.parametrize("mode, outcome", [("exact", "mean"), ("chunk", "joint")])
-def test_megatron_oar_p_rows_model_equals_the_naive_loop(thd, mode, outcome):
+@pytest.mark.parametrize("max_tokens", [1, 10_000])
+def test_megatron_oar_p_rows_model_equals_the_naive_loop(thd, mode, outcome, max_tokens):
+    """Copies of all samples batched across samples (rows of different lengths in one packed call)."""
+    from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
+    from verl_oar.core.perturbation import PerturbationConfig, naive_perturbation_importance, occlusion_spans
     from verl_oar.engines.megatron.perturbation import MegatronRowsModel
-    from verl_oar.core.perturbation import (
-        PerturbationConfig,
-        naive_perturbation_importance,
-        occlusion_spans,
-        perturbation_importance,
-    )
 
     toy = ToyGPT(seed=11)
     model = MegatronRowsModel(fake_forward(toy, tp_size=1, tp_rank=0, sequence_parallel=False, thd=thd))
     _, ids, reasoning, predict = make_micro_batch(seed=4)
     cfg = PerturbationConfig(outcome=outcome, mode=mode, budget=3, share_prefix=False)
-    for x, r, d in zip(ids, reasoning, predict):
-        span = occlusion_spans(r.bool(), mode, 3)
-        got, cost = perturbation_importance(model, x, torch.arange(len(x)), span, d.bool(), 0, cfg,
-                                            max_tokens=3 * len(x), temperature=0.7)
-        want = naive_perturbation_importance(lambda z: toy.sequence_logits(toy.embed[z]), x, span, d.bool(), 0,
-                                             outcome, temperature=0.7)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
-        assert cost.copies == (int(span.max()) + 1 if bool(d.any()) and bool(r.any()) else 0)
+    samples = [Sample(x, torch.arange(len(x)), occlusion_spans(r.bool(), mode, 3), d.bool(), 0.7)
+               for x, r, d in zip(ids, reasoning, predict)]
+    got, costs, total = batched_perturbation_importance(model, samples, 0, cfg, max_tokens)
+    for sample, importance, cost in zip(samples, got, costs, strict=True):
+        want = naive_perturbation_importance(lambda z: toy.sequence_logits(toy.embed[z]), sample.ids, sample.span,
+                                             sample.predict, 0, outcome, temperature=0.7)
+        torch.testing.assert_close(importance, want, rtol=1e-6, atol=1e-9)
+        assert cost.copies == (int(sample.span.max()) + 1 if bool(sample.predict.any()) and bool((sample.span >= 0).any())
+                               else 0)
+    scored = sum(bool(s.predict.any()) and bool((s.span >= 0).any()) for s in samples)
+    # one row per call under a budget of 1 token; otherwise one call for the clean rows, one for the copies
+    assert total.forwards == (scored + total.copies if max_tokens == 1 else 2)
 
 
 def test_megatron_oar_p_rows_model_refuses_a_prefix_cache_and_shifted_positions():
+    from verl_oar.core.batched_perturbation import Row
     from verl_oar.engines.megatron.perturbation import MegatronRowsModel
 
     model = MegatronRowsModel(fake_forward(ToyGPT(), 1, 0, False, True))
-    ids = torch.tensor([[1, 2, 3]])
+    ids = torch.tensor([1, 2, 3])
     with pytest.raises(RuntimeError, match="share_prefix=False"):
-        model(ids, torch.arange(3)[None], torch.tensor([1]), cache=True)
+        model([Row(ids, torch.arange(3), keep=1, cache=True)])
     with pytest.raises(ValueError, match="position ids are 0..n-1"):
-        model(ids, torch.arange(1, 4)[None], torch.tensor([1]))
+        model([Row(ids, torch.arange(1, 4), keep=1)])
 
 
 def test_engine_type_is_recognised_by_class_without_importing_megatron():

@@ -160,7 +160,7 @@ def test_oar_p_without_a_neutral_token_asks_for_one():
 def test_oar_p_refuses_multimodal_position_ids_with_the_fix(tokenizer):
     """Multimodal rope gives each token several position ids; OAR-P's prefix cache assumes one."""
     from verl_oar.engines.inputs import PREDICT, REASONING
-    from verl_oar.engines.fsdp.perturbation import score_samples
+    from verl_oar.engines.perturbation_batch import score_micro_batch
     from verl_oar.core.perturbation import PerturbationConfig
 
     ids = torch.arange(10)
@@ -169,4 +169,4 @@ def test_oar_p_refuses_multimodal_position_ids_with_the_fix(tokenizer):
                        PREDICT: _nested([torch.ones(10, dtype=torch.long)])}, batch_size=[1])
     data["temperature"] = torch.ones(1)
     with pytest.raises(ValueError, match="1-D position ids.*multimodal rope.*adv_estimator=grpo"):
-        score_samples(None, data, PerturbationConfig(), 0, None, 1)
+        score_micro_batch(None, data, PerturbationConfig(), 0, None, 1)

@@ -157,3 +157,18 @@ def test_calls_stay_within_the_budget():
         calls = plan_calls(rows, budget)
         assert sorted(i for c in calls for i in c) == list(range(200))
         assert all(len(c) == 1 or call_tokens([rows[i] for i in c]) <= budget for c in calls)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("outcome", ["mean", "joint"])
+def test_fp32_and_bf16_models_stay_close_to_float64(model, dtype, tolerance, outcome):
+    """The same weights in fp32 / bf16 (the dtype real runs use): within ``tolerance`` of the largest importance
+    (bf16 rounds every logit to ~3 significant digits; AS-JOINT's differences of log-likelihoods feel it most)."""
+    samples = _batch(0)
+    low = _model().to(dtype)
+    got, _, _ = batched_perturbation_importance(HFRowsModel(low), samples, NEUTRAL, PerturbationConfig(outcome=outcome),
+                                                400)
+    want = [_naive(model, s, outcome) for s in samples]
+    scale = max(float(w.abs().max()) for w in want)
+    assert scale > 0 and all(torch.isfinite(g).all() for g in got)
+    assert max(float((g.double() - w.double()).abs().max()) for g, w in zip(got, want)) <= tolerance * scale

@@ -39,6 +39,8 @@ def batch():
 
 
 def test_oar_p_is_perturbation_importance_row_by_row(model, batch):
+    """The rows share model calls (core.batched_perturbation): equal to scoring each row alone up to fp32
+    rounding (other call shapes); exactness in float64 is test_batched_perturbation_on_cpu.py's."""
     ids, attention, reasoning, answer = batch
     cfg = PerturbationConfig(mode="chunk", budget=4)
     got = hf_importance(model, ids, reasoning, answer, cfg, attention_mask=attention, neutral_id=PAD,
@@ -49,7 +51,7 @@ def test_oar_p_is_perturbation_importance_row_by_row(model, batch):
         want, _ = perturbation_importance(
             HFPrefixModel(model), ids[row, :length], torch.arange(length),
             occlusion_spans(reasoning[row, :length], "chunk", 4), predict, PAD, cfg, max_tokens=50, temperature=0.7)
-        assert torch.equal(got[row, :length], want)
+        assert torch.allclose(got[row, :length], want, rtol=1e-3, atol=1e-8), (got[row, :length] - want).abs().max()
         assert (got[row, length:] == 0).all()
     assert (got[reasoning] > 0).all() and (got[~reasoning] == 0).all()
 

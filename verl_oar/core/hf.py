@@ -1,5 +1,8 @@
 """A transformers causal LM as OAR-G's ``logits_fn`` (:func:`make_hf_logits_fn`), as OAR-P's
-:class:`~verl_oar.core.perturbation.PrefixModel` (:class:`HFPrefixModel`), as OAR-G's outcome head
+:class:`~verl_oar.core.batched_perturbation.RowsModel` (:class:`HFRowsModel`: rows of several samples per
+call, what the engines and :func:`hf_importance` run) and one-sequence
+:class:`~verl_oar.core.perturbation.PrefixModel` (:class:`HFPrefixModel`: the earlier per-sample path, kept
+as a baseline for benchmarks), as OAR-G's outcome head
 (:class:`OutcomeHead`: the outcome logits computed alike in every pass), and the importance of
 plain HF sequences outside training (:func:`hf_importance`: the heatmap, the testbed, benchmarks).
 
@@ -15,15 +18,17 @@ recomputes prefixes instead (same result, slower).
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
 from verl_oar.core.gradient import GradientConfig, gradient_importance
 from verl_oar.core.outcome import padded_predicting_positions
-from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans, perturbation_importance
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans
 
 __all__ = ["HFPrefixModel", "HFRowsModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix", "hf_importance",
            "make_hf_logits_fn"]
@@ -94,7 +99,8 @@ def hf_importance(
         reasoning: (B, L) bool, the tokens scored (and, for OAR-G, noised).
         answer: (B, L) bool, the answer tokens (as input tokens).
         cfg: :class:`GradientConfig` (OAR-G: one batched gradient pass) or :class:`PerturbationConfig`
-            (OAR-P: one row at a time, ``cfg.mode`` / ``cfg.budget`` build the occlusion spans).
+            (OAR-P: ``core.batched_perturbation``, copies of all rows sharing calls; ``cfg.mode`` /
+            ``cfg.budget`` build the occlusion spans, ``hierarchical`` in two rounds).
         attention_mask: (B, L) 0/1; OAR-G passes it to the model as is (None included), OAR-P scores
             each row's first ``attention_mask[b].sum()`` tokens (None: all L).
         temperature: the rollout temperature; logits are divided by it.
@@ -102,9 +108,9 @@ def hf_importance(
         clean_logits: OAR-G ``noisy_kl``: (B, L, V) logits of the clean pass, reused (already divided
             by ``temperature``); None runs that pass.
         neutral_id: OAR-P's occlusion token id (required for OAR-P).
-        max_tokens: OAR-P's token budget per model call (rows x tokens).
+        max_tokens: OAR-P's padded token budget per model call (``batched_perturbation.call_tokens``).
         line_end: (B, L) bool, tokens holding a line break (OAR-P ``line`` mode only).
-        cost: OAR-P: the rows' model calls are added to it.
+        cost: OAR-P: the batch's model calls, copies and tokens fed are added to it.
 
     Returns:
         (B, L) float32 importance on ``ids``' device, 0 off ``reasoning`` (and past each row's length).
@@ -121,18 +127,36 @@ def hf_importance(
         raise TypeError(f"cfg must be a GradientConfig or a PerturbationConfig, not {type(cfg).__name__}")
     if neutral_id is None:
         raise ValueError("OAR-P needs neutral_id, the token an occluded token is replaced by")
-    prefix_model = HFPrefixModel(model)
-    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    for b in range(ids.shape[0]):
-        length = ids.shape[1] if attention_mask is None else int(attention_mask[b].sum())
-        span = occlusion_spans(reasoning[b, :length], cfg.mode, cfg.budget,
-                               None if line_end is None else line_end[b, :length])
-        out[b, :length], row_cost = perturbation_importance(
-            prefix_model, ids[b, :length], torch.arange(length, device=ids.device), span, predict[b, :length],
-            neutral_id, cfg, max_tokens=max_tokens, temperature=temperature,
-        )
+    lengths = [ids.shape[1] if attention_mask is None else int(attention_mask[b].sum()) for b in range(ids.shape[0])]
+    samples, reasoning_rows = [], []
+    for b, length in enumerate(lengths):
+        first = reasoning[b, :length].nonzero()
+        samples.append(Sample(ids[b, :length], torch.arange(length, device=ids.device), torch.full((length,), -1,
+                              dtype=torch.long, device=ids.device), predict[b, :length], temperature,
+                              prompt_len=int(first[0]) if first.numel() else 0))  # tokens before the first scored one
+        reasoning_rows.append(reasoning[b, :length])
+    rows_model = HFRowsModel(model, pad_id=neutral_id)
+    cfg = replace(cfg, share_prefix=cfg.share_prefix and rows_model.shares_cache)
+
+    def score_spans(spans: list[Tensor]) -> list[Tensor]:
+        for sample, span in zip(samples, spans, strict=True):
+            sample.span = span
+        importance, _, batch_cost = batched_perturbation_importance(rows_model, samples, neutral_id, cfg, max_tokens)
         if cost is not None:
-            cost.add(row_cost)
+            cost.add(batch_cost)
+        return importance
+
+    if cfg.mode == "hierarchical":
+        from verl_oar.core.hierarchical import hierarchical_importance
+
+        importance, _ = hierarchical_importance(score_spans, reasoning_rows, cfg)
+    else:
+        importance = score_spans([
+            occlusion_spans(r, cfg.mode, cfg.budget, None if line_end is None else line_end[b, : r.numel()])
+            for b, r in enumerate(reasoning_rows)])
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    for b, (length, row) in enumerate(zip(lengths, importance, strict=True)):
+        out[b, :length] = row
     return out
 
 

@@ -1,9 +1,11 @@
-"""OAR-P scored one sample at a time, engine-agnostic: the loop the FSDP and Megatron paths share.
+"""OAR-P on one engine micro-batch, engine-agnostic: the samples handed to ``core.batched_perturbation``.
 
-Each sample is scored on its own, unpadded (``verl_oar.core.perturbation``), through a
-``PrefixModel`` that the engine path builds (``engines/fsdp/perturbation.py`` wraps the HF module,
-``engines/megatron/perturbation.py`` Megatron's GPTModel), so a sample's importance is independent
-of the rest of the batch and of the engine's packing.
+Each sample is scored unpadded as its own sequence, so its importance does not depend on the rest of the batch
+or on the engine's packing; its occluded copies share model calls with other samples' copies (the model is a
+``RowsModel`` the engine path builds: ``core.hf.HFRowsModel`` over the FSDP module, or
+``engines.megatron.perturbation.MegatronRowsModel``). Samples of the micro-batch with the same prompt share the
+prompt's pass. ``perturb_mode=hierarchical`` runs the batch twice (``core.hierarchical``): coarse chunks, then
+the top ones refined.
 """
 
 from __future__ import annotations
@@ -11,37 +13,74 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from verl_oar.core.perturbation import PerturbationCost, occlusion_spans, perturbation_importance
+from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans
 from verl_oar.engines.inputs import LINE_END, PREDICT, REASONING, nested, rollout_temperature
 
 
-def score_samples(
-    model, micro_batch: TensorDict, pcfg, neutral_id: int, token_budget: int | None, rows_budget: int
-) -> tuple[torch.Tensor, list[PerturbationCost]]:
-    """Score each sample of ``micro_batch`` on its own with ``model`` (a ``PrefixModel``, already on
-    the micro-batch's device); shared by the FSDP and Megatron engines. Arguments and return as
-    :func:`perturbation_micro_batch`, with ``pcfg`` the ``PerturbationConfig``."""
+def micro_batch_samples(micro_batch: TensorDict) -> tuple[list[Sample], list[torch.Tensor], list]:
+    """The micro-batch's rows as :class:`Sample` (spans not yet set), their reasoning masks and line ends."""
     ids_rows = micro_batch["input_ids"].unbind()
     positions = micro_batch["position_ids"].unbind()
-    reasoning = micro_batch[REASONING].unbind()
+    reasoning = [r.bool() for r in micro_batch[REASONING].unbind()]
     predict = micro_batch[PREDICT].unbind()
-    line_end = micro_batch[LINE_END].unbind() if pcfg.mode == "line" else [None] * len(ids_rows)
+    line_end = ([x.bool() for x in micro_batch[LINE_END].unbind()] if LINE_END in micro_batch.keys()
+                else [None] * len(ids_rows))
+    prompt_lens = (micro_batch["prompts"].offsets().diff().tolist() if "prompts" in micro_batch.keys()
+                   else [0] * len(ids_rows))
     temperature = rollout_temperature(micro_batch)
     temperatures = ([float(t) for t in temperature[: len(ids_rows)]] if isinstance(temperature, torch.Tensor)
                     else [temperature] * len(ids_rows))
-    costs, out = [], []
-    for ids, pos, reason, pred, line, temp in zip(ids_rows, positions, reasoning, predict, line_end, temperatures,
-                                                  strict=True):
+    samples = []
+    for ids, pos, pred, temp, prompt_len in zip(ids_rows, positions, predict, temperatures, prompt_lens, strict=True):
         if pos.dim() != 1:
             raise ValueError(
                 f"OAR-P supports text models with 1-D position ids; got position_ids of shape {tuple(pos.shape)} "
                 "per sample (multimodal rope). Use algorithm.adv_estimator=grpo for this model."
             )
-        span = occlusion_spans(reason.bool(), pcfg.mode, pcfg.budget, None if line is None else line.bool())
-        budget = token_budget if token_budget is not None else rows_budget * ids.numel()
-        importance, row_cost = perturbation_importance(
-            model, ids, pos, span, pred.bool(), neutral_id, pcfg, max_tokens=budget, temperature=temp
-        )
-        costs.append(row_cost)
-        out.append(importance.cpu())
-    return nested(out), costs
+        samples.append(Sample(ids, pos, torch.full_like(ids, -1), pred.bool(), temp, prompt_len))
+    return samples, reasoning, line_end
+
+
+def score_micro_batch(
+    model, micro_batch: TensorDict, pcfg: PerturbationConfig, neutral_id: int, token_budget: int | None,
+    rows_budget: int,
+) -> tuple[torch.Tensor, list[PerturbationCost]]:
+    """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens, and each sample's
+    cost (tokens fed, its share of a shared prompt included; copies; its largest call).
+
+    Args:
+        model: a ``RowsModel`` on the micro-batch's device.
+        micro_batch: verl's rows (nested ``input_ids`` / ``position_ids``, ``prompts`` when present) plus the
+            masks of ``verl_oar.engines.inputs``.
+        pcfg: the ``PerturbationConfig``.
+        neutral_id: the token an occluded token becomes.
+        token_budget: padded tokens per model call (verl's ``max_token_len_per_gpu`` under dynamic batch size);
+            None: ``rows_budget`` rows of the micro-batch's longest sample.
+        rows_budget: verl's log-prob micro-batch size, in sequences.
+    """
+    samples, reasoning, line_end = micro_batch_samples(micro_batch)
+    budget = token_budget if token_budget is not None else rows_budget * max(s.ids.numel() for s in samples)
+
+    def score(spans: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[PerturbationCost]]:
+        for sample, span in zip(samples, spans, strict=True):
+            sample.span = span
+        importance, costs, _ = batched_perturbation_importance(model, samples, neutral_id, pcfg, budget)
+        return importance, costs
+
+    if pcfg.mode == "hierarchical":
+        from verl_oar.core.hierarchical import hierarchical_importance
+
+        costs = [PerturbationCost() for _ in samples]
+
+        def score_spans(spans):
+            importance, round_costs = score(spans)
+            for total, c in zip(costs, round_costs, strict=True):
+                total.add(c)
+            return importance
+
+        importance, _ = hierarchical_importance(score_spans, reasoning, pcfg)
+    else:
+        spans = [occlusion_spans(r, pcfg.mode, pcfg.budget, le) for r, le in zip(reasoning, line_end, strict=True)]
+        importance, costs = score(spans)
+    return nested([x.cpu() for x in importance]), costs

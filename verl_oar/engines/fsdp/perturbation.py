@@ -1,11 +1,12 @@
 """OAR-P on one micro-batch of verl's FSDP / FSDP2 engine.
 
-Each sample is scored on its own, unpadded (``verl_oar.core.perturbation``): a clean pass
-that keeps its KV cache, then batches of occluded copies that continue from it. The copies of one
-sample share its prompt and everything before their span, which packing the micro-batch cannot
-exploit; scoring per sample also makes a sample's importance independent of the rest of the batch
-and of ``use_remove_padding``. verl extension points: ``engine.module`` (called with transformers'
-``past_key_values`` / ``logits_to_keep``; FSDP passes keyword arguments through) and the engine's
+Each sample is scored as its own unpadded sequence (``verl_oar.core.batched_perturbation``): each
+distinct prompt once, each sample's clean pass continuing it and keeping its KV cache, then occluded
+copies continuing that cache from their span on, copies of different samples in the same model
+calls (``core.hf.HFRowsModel``: per-row caches under a padding mask). A sample's importance does
+not depend on the rest of the batch or on ``use_remove_padding``. verl extension points:
+``engine.module`` (called with transformers' ``past_key_values`` / ``attention_mask`` /
+``logits_to_keep``; FSDP passes keyword arguments through) and the engine's
 autocast dtype; checked against verl 0.9.1. Every pass is no-grad. The number of model calls depends
 on the data; the driver runs this on unsharded FSDP2 parameters (``engines.fsdp.unshard``), so the
 calls issue no collective and ranks may differ in how many they make.
@@ -18,9 +19,9 @@ from tensordict import TensorDict
 
 from verl_oar.core.config import OARConfig
 from verl_oar.engines.inputs import autocast_context
-from verl_oar.core.hf import HFPrefixModel, can_share_prefix
+from verl_oar.core.hf import HFRowsModel
 from verl_oar.core.perturbation import PerturbationCost
-from verl_oar.engines.per_sample import score_samples
+from verl_oar.engines.perturbation_batch import score_micro_batch
 
 
 def perturbation_micro_batch(
@@ -34,13 +35,14 @@ def perturbation_micro_batch(
         micro_batch: verl's rows (nested ``input_ids`` / ``position_ids``) plus the masks of
             ``verl_oar.engines.inputs``.
         neutral_id: the token an occluded token becomes.
-        token_budget: tokens per model call (copies x sequence length), verl's
+        token_budget: padded tokens per model call (rows x (longest prefix + longest new part)), verl's
             ``max_token_len_per_gpu`` under dynamic batch size; ``None`` to use ``rows_budget``.
-        rows_budget: copies per model call when ``token_budget`` is None (verl's micro-batch size).
+        rows_budget: verl's micro-batch size: without ``token_budget``, calls of that many of the
+            micro-batch's longest sequence.
     """
     from verl.utils.device import get_device_id
 
     micro_batch = micro_batch.to(get_device_id())
-    model = HFPrefixModel(engine.module, context=lambda: autocast_context(engine))
-    pcfg = cfg.perturbation_config(share_prefix=can_share_prefix(engine.module))
-    return score_samples(model, micro_batch, pcfg, neutral_id, token_budget, rows_budget)
+    model = HFRowsModel(engine.module, context=lambda: autocast_context(engine), pad_id=neutral_id)
+    pcfg = cfg.perturbation_config(share_prefix=model.shares_cache)
+    return score_micro_batch(model, micro_batch, pcfg, neutral_id, token_budget, rows_budget)

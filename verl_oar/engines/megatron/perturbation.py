@@ -28,36 +28,41 @@ from torch import Tensor
 from verl_oar.core.config import OARConfig
 from verl_oar.engines.inputs import nested
 from verl_oar.engines.megatron.forward import MegatronLogits
-from verl_oar.engines.per_sample import score_samples
+from verl_oar.core.batched_perturbation import Row
 from verl_oar.core.perturbation import PerturbationCost
+from verl_oar.engines.perturbation_batch import score_micro_batch
 
 
 class MegatronRowsModel:
-    """verl's Megatron model as OAR-P's ``PrefixModel``, for calls without a cached prefix."""
+    """verl's Megatron model as OAR-P's ``RowsModel`` (``core.batched_perturbation``): rows of any lengths,
+    each from position 0, packed into one call in verl's own layout (THD, or BSHD padded); no cache."""
+
+    shares_cache = False
 
     def __init__(self, forward: MegatronLogits):
         self.forward = forward
 
-    def __call__(
-        self, ids: Tensor, positions: Tensor, keep: Tensor, past: Any = None, past_len: int = 0, cache: bool = False
-    ) -> tuple[Tensor, None]:
-        """(m, n) rows from position 0 -> (m, k, V) logits at columns ``keep``; no cache."""
-        if past is not None or past_len or cache:
-            raise RuntimeError(
-                "the Megatron OAR-P model has no KV cache: run it with PerturbationConfig(share_prefix=False)"
-            )
-        m, n = ids.shape
-        if not torch.equal(positions, torch.arange(n, device=positions.device).expand(m, n)):
-            raise ValueError(
-                "OAR-P on Megatron supports text rows whose position ids are 0..n-1 (Megatron derives RoPE "
-                "positions from the packing); use algorithm.adv_estimator=grpo for this model."
-            )
-        layout = self.forward.layout([n] * m)
-        starts = torch.tensor(layout.starts, dtype=torch.long, device=ids.device)
-        select = (starts.unsqueeze(1) + keep.to(ids.device).unsqueeze(0)).reshape(-1)  # (m * k,)
+    def prefix(self, cache: Any, length: int) -> Any:
+        raise RuntimeError("the Megatron OAR-P model has no KV cache: run it with PerturbationConfig(share_prefix=False)")
+
+    def __call__(self, rows: list[Row]) -> tuple[list[Tensor | None], list[None]]:
+        """Per row, (keep, V) logits of its last ``keep`` positions."""
+        for r in rows:
+            if r.past is not None or r.past_len or r.cache:
+                raise RuntimeError(
+                    "the Megatron OAR-P model has no KV cache: run it with PerturbationConfig(share_prefix=False)"
+                )
+            if not torch.equal(r.positions, torch.arange(r.ids.numel(), device=r.positions.device)):
+                raise ValueError(
+                    "OAR-P on Megatron supports text rows whose position ids are 0..n-1 (Megatron derives RoPE "
+                    "positions from the packing); use algorithm.adv_estimator=grpo for this model."
+                )
+        lengths = [r.ids.numel() for r in rows]
+        layout = self.forward.layout(lengths)
+        select = torch.cat([start + torch.arange(n - r.keep, n) for start, n, r in zip(layout.starts, lengths, rows)])
         with torch.no_grad():
-            logits, _ = self.forward(nested(list(ids.unbind())), layout, select)
-        return logits.reshape(m, keep.numel(), -1), None
+            logits, _ = self.forward(nested([r.ids for r in rows]), layout, select.to(rows[0].ids.device))
+        return list(logits.split([r.keep for r in rows])), [None] * len(rows)
 
 
 def megatron_perturbation_micro_batch(
@@ -70,5 +75,5 @@ def megatron_perturbation_micro_batch(
     micro_batch = micro_batch.to(get_device_id())
     model = MegatronRowsModel(MegatronLogits(engine))
     pcfg = cfg.perturbation_config(share_prefix=False)
-    return score_samples(model, micro_batch, pcfg, neutral_id, token_budget, rows_budget)
+    return score_micro_batch(model, micro_batch, pcfg, neutral_id, token_budget, rows_budget)
 
