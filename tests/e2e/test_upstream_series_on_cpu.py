@@ -38,6 +38,8 @@ SERIES_TESTS = (
     "tests/workers/rollout/test_rollout_registration_on_cpu.py",
     "tests/workers/engine/test_fsdp2_offload_pin_memory_on_cpu.py",
     "tests/trainer/ppo/test_oar_advantage_on_cpu.py",
+    "tests/trainer/ppo/test_train_batch_hooks_on_cpu.py",
+    "tests/workers/engine/test_logits_reducers_on_cpu.py",
 )
 HOOK_LINE = "[verl-oar] token signals through verl's advantage hooks in verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync"
 """printed by verl_oar.integration.upstream_hook at the first step, naming the trainer's class"""
@@ -60,7 +62,7 @@ def patched_verl(tmp_path_factory) -> Path:
     assert proc.returncode == 0, f"the upstream series does not apply to the installed verl:\n{proc.stderr}"
     patches = sorted(p.name for p in SERIES.glob("*.patch"))
     log = subprocess.run(["git", "-C", str(dest), "log", "--format=%s"], capture_output=True, text=True, check=True)
-    assert len(patches) == 6 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
+    assert len(patches) == 8 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
     return dest
 
 
