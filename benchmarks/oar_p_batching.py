@@ -1,0 +1,218 @@
+"""OAR-P at scale: copies batched across samples (``core.batched_perturbation``, what the engines run) against
+the per-sample path it replaced (``core.perturbation.perturbation_importance``, one sample at a time), as
+tokens fed per sample and wall time in log-prob passes, all rows timed in one process, round-robin.
+
+    python benchmarks/oar_p_batching.py [--shapes 256,1024,4096,mixed] [--rounds 3] [--max-tokens 8192]
+        [--hierarchical K:m:unit,...] [--out FILE]
+
+Model: a random tiny Qwen2 (vocabulary 2048, hidden 128, 4 layers, fp32, sdpa, CPU), as
+``benchmarks/importance_cost.py``. Batches: prompts of 64 tokens, each answered by several responses (a GRPO
+group: the responses of a prompt share it), the answer the last 8 tokens, reasoning everything between:
+
+- ``256`` / ``1024`` / ``4096``: 8 / 8 / 2 responses of that total length (2 prompts; 1 at 4096);
+- ``mixed``: 64 responses, 8 prompts x 8, response lengths drawn like a real rollout (log-normal, median 300
+  tokens, many short and a few long, clipped to [24, 3000]).
+
+Rows (the baseline is the first): ``log-prob pass`` (a no-grad forward computing every token's log-prob,
+samples sorted by length and packed into calls of at most ``--max-tokens`` padded tokens, like verl's dynamic
+batch size); for ``chunk K=16`` and ``exact`` (exact only at 256 and 1024: it grows like R^2) the ``per-sample``
+path and the ``batched`` one; ``hierarchical`` (batched) for each ``--hierarchical`` setting. Columns: median
+seconds, ratio to the log-prob pass (``x log-prob``: log-prob passes per batch), tokens fed per sample (cached
+prefixes not counted; the log-prob pass feeds the sample's length), model calls. Before timing, each batched row
+is checked against the per-sample one on the same batch (max abs difference in fp32; they are equal in float64,
+tests/unit/test_batched_perturbation_on_cpu.py). Absolute times depend on the machine (reported); ratios are
+the finding, and a GPU will differ (bigger calls pay off more there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from importance_cost import build_model  # noqa: E402
+
+from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance, plan_calls, Row  # noqa: E402
+from verl_oar.core.hf import HFPrefixModel, HFRowsModel  # noqa: E402
+from verl_oar.core.perturbation import (  # noqa: E402
+    PerturbationConfig,
+    PerturbationCost,
+    occlusion_spans,
+    perturbation_importance,
+)
+
+VOCAB, HIDDEN, LAYERS, PROMPT, ANSWER, NEUTRAL = 2048, 128, 4, 64, 8, 0
+
+
+def make_samples(shape: str, seed: int = 0) -> list[Sample]:
+    """The batch of one shape (module docstring); spans are set per method."""
+    g = torch.Generator().manual_seed(seed)
+    if shape == "mixed":
+        groups, per_group = 8, 8
+        lengths = [int(min(3000, max(24, math.exp(math.log(300) + 0.8 * float(torch.randn(1, generator=g))))))
+                   for _ in range(groups * per_group)]
+    else:
+        total = int(shape)
+        groups, per_group = (1, 2) if total >= 4096 else (2, 4)
+        lengths = [total - PROMPT] * (groups * per_group)
+    samples = []
+    for group in range(groups):
+        prompt = torch.randint(1, VOCAB, (PROMPT,), generator=g)
+        for k in range(per_group):
+            response = torch.randint(1, VOCAB, (lengths[group * per_group + k],), generator=g)
+            ids = torch.cat([prompt, response])
+            n = ids.numel()
+            predict = torch.zeros(n, dtype=torch.bool)
+            predict[n - ANSWER - 1 : n - 1] = True
+            samples.append(Sample(ids, torch.arange(n), torch.full((n,), -1), predict, 1.0, prompt_len=PROMPT))
+    return samples
+
+
+def reasoning_of(sample: Sample) -> torch.Tensor:
+    r = torch.zeros(sample.ids.numel(), dtype=torch.bool)
+    r[PROMPT : sample.ids.numel() - ANSWER] = True
+    return r
+
+
+def logprob_pass(model, samples: list[Sample], max_tokens: int) -> PerturbationCost:
+    """Every token's log-prob, samples packed into calls of <= max_tokens padded tokens (longest first)."""
+    rows = [Row(s.ids, s.positions) for s in samples]
+    cost = PerturbationCost()
+    with torch.no_grad():
+        for call in plan_calls(rows, max_tokens):
+            n = max(rows[i].ids.numel() for i in call)
+            ids = torch.zeros(len(call), n, dtype=torch.long)
+            mask = torch.zeros(len(call), n, dtype=torch.long)
+            for j, i in enumerate(call):
+                ids[j, : rows[i].ids.numel()] = rows[i].ids
+                mask[j, : rows[i].ids.numel()] = 1
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            torch.log_softmax(logits.float(), -1).gather(-1, torch.roll(ids, -1, 1).unsqueeze(-1))
+            cost.add(PerturbationCost(forwards=1, tokens=int(mask.sum()), peak_call_tokens=ids.numel()))
+    return cost
+
+
+def per_sample(model, samples, cfg, max_tokens):
+    """The path the engines ran before: one sample at a time, its copies grouped within it."""
+    prefix_model, cost, out = HFPrefixModel(model), PerturbationCost(), []
+    for s in samples:
+        importance, c = perturbation_importance(prefix_model, s.ids, s.positions, s.span, s.predict, NEUTRAL, cfg,
+                                                max_tokens=max_tokens, temperature=s.temperature)
+        out.append(importance)
+        cost.add(c)
+    return out, cost
+
+
+def batched(model, samples, cfg, max_tokens):
+    out, _, cost = batched_perturbation_importance(HFRowsModel(model, pad_id=NEUTRAL), samples, NEUTRAL, cfg,
+                                                   max_tokens)
+    return out, cost
+
+
+def hierarchical(model, samples, cfg, max_tokens):
+    from verl_oar.core.hierarchical import hierarchical_importance
+
+    rows_model, cost = HFRowsModel(model, pad_id=NEUTRAL), PerturbationCost()
+
+    def score(spans):
+        for s, span in zip(samples, spans, strict=True):
+            s.span = span
+        out, _, c = batched_perturbation_importance(rows_model, samples, NEUTRAL, cfg, max_tokens)
+        cost.add(c)
+        return out
+
+    out, _ = hierarchical_importance(score, [reasoning_of(s) for s in samples], cfg)
+    return out, cost
+
+
+def method_runs(model, samples, shape: str, args) -> dict:
+    """name -> (callable returning (importance, cost), spans per sample)"""
+    runs = {}
+    modes = [("chunk K=16", PerturbationConfig(mode="chunk", budget=16))]
+    if shape in ("256", "1024"):
+        modes.append(("exact", PerturbationConfig(mode="exact")))
+    for label, cfg in modes:
+        spans = [occlusion_spans(reasoning_of(s), cfg.mode, cfg.budget) for s in samples]
+        for path, fn in (("per-sample", per_sample), ("batched", batched)):
+            runs[f"{label}, {path}"] = (fn, cfg, spans)
+    for setting in filter(None, args.hierarchical.split(",")):
+        k, m, unit = (int(x) for x in setting.split(":"))
+        cfg = PerturbationConfig(mode="hierarchical", budget=k, refine_top=m, refine_unit=unit)
+        runs[f"hierarchical K={k} m={m} unit={unit}, batched"] = (hierarchical, cfg, None)
+    return runs
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="256,1024,4096,mixed")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--hierarchical", default="16:2:1", help="K:m:unit settings, comma-separated ('' for none)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    from verl_oar.testbed.machine import machine_info
+
+    model = build_model(VOCAB, HIDDEN, LAYERS)
+    model.config.max_position_embeddings = 8192
+    results = {}
+    for shape in args.shapes.split(","):
+        samples = make_samples(shape)
+        runs = method_runs(model, samples, shape, args)
+
+        def call(name):
+            fn, cfg, spans = runs[name]
+            if spans is not None:
+                for s, span in zip(samples, spans, strict=True):
+                    s.span = span
+            return fn(model, samples, cfg, args.max_tokens)
+
+        checks = {}
+        for name in runs:
+            if name.endswith("batched") and name.replace("batched", "per-sample") in runs:
+                new, _ = call(name)
+                old, _ = call(name.replace("batched", "per-sample"))
+                checks[name] = max(float((a - b).abs().max()) for a, b in zip(new, old, strict=True))
+        timers = {"log-prob pass": lambda: logprob_pass(model, samples, args.max_tokens)}
+        timers.update({name: (lambda name=name: call(name)[1]) for name in runs})
+        times, costs = {k: [] for k in timers}, {}
+        for _ in range(args.rounds):
+            for name, fn in timers.items():
+                start = time.perf_counter()
+                costs[name] = fn()
+                times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["log-prob pass"])
+        lengths = [s.ids.numel() for s in samples]
+        results[shape] = {
+            "samples": len(samples), "mean_length": statistics.mean(lengths), "max_length": max(lengths),
+            "checks_max_abs_diff_vs_per_sample": checks,
+            "rows": {name: {"median_s": round(statistics.median(ts), 4),
+                            "x_log_prob": round(statistics.median(ts) / base, 3),
+                            "range_x": [round(min(ts) / base, 3), round(max(ts) / base, 3)],
+                            "tokens_per_sample": round(costs[name].tokens / len(samples), 1),
+                            "calls": costs[name].forwards,
+                            "copies_per_sample": round(costs[name].copies / len(samples), 2)}
+                     for name, ts in times.items()},
+        }
+        print(f"\nshape {shape}: {len(samples)} samples, mean length {statistics.mean(lengths):.0f}, "
+              f"max {max(lengths)}; max |batched - per-sample| {checks}")
+        print(f"{'row':44s} {'median s':>9s} {'x log-prob':>11s} {'range':>13s} {'tokens/sample':>14s} {'calls':>6s}")
+        for name, row in results[shape]["rows"].items():
+            print(f"{name:44s} {row['median_s']:9.3f} {row['x_log_prob']:11.2f} "
+                  f"{row['range_x'][0]:6.2f}-{row['range_x'][1]:<6.2f} {row['tokens_per_sample']:14.0f} {row['calls']:6d}")
+    out = {"command": "python benchmarks/oar_p_batching.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
+           "model": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "dtype": "float32"},
+           "max_tokens": args.max_tokens, "rounds": args.rounds, "shapes": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
