@@ -7,7 +7,8 @@ subprocess (tests/engine/conftest.py): torch.distributed's process group is proc
 
 Tolerance: the engine runs in fp32 (verl has no fp64 engine) and a KL between two nearly equal
 distributions cancels catastrophically in fp32: differences of ~1e-6 in the logits (another batch
-shape, a cached prefix) move I_t by ~5e-7 on a scale of 1e-4. The fp64 comparison at 1e-10 is in
+shape, a cached prefix, rows of other samples in the call) move I_t by ~5e-7 to 1e-6 on a scale of 1e-4.
+The fp64 comparisons at 1e-10 are in test_batched_perturbation_on_cpu.py and
 test_perturbation_importance_on_cpu.py.
 """
 
@@ -28,7 +29,9 @@ def _name(case):
 
 
 def _tolerance(case):
-    return 1e-2 * case["scale"]
+    # 1% of the largest importance, and never below 2e-6: fp32 KL cancellation alone moves I_t by ~1e-6 when
+    # copies of several samples share a padded call (the 1e-10 float64 check is the exactness proof)
+    return max(1e-2 * case["scale"], 2e-6)
 
 
 def test_engine_perturbation_equals_the_naive_loop(cases):

@@ -16,8 +16,9 @@ from verl_oar.core.answer_span import locate_answer_tokens
 from verl_oar.tools.heatmap import main
 from verl_oar.tools.heatmap_render import html_block, render_png
 from verl_oar.core.gradient import GradientConfig, gradient_importance
-from verl_oar.core.hf import HFPrefixModel, make_hf_logits_fn
-from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
+from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
+from verl_oar.core.hf import HFRowsModel, make_hf_logits_fn
+from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans
 from verl_oar.testbed.pick_max import oracle_token_masks
 
 PROMPT = "max: 3 7 | 2 5"
@@ -123,8 +124,9 @@ def test_scores_equal_direct_calls(prompt_run, loaded):
         generator=torch.Generator().manual_seed(SEED),
     )[0, p:]
     span = occlusion_spans(reasoning, "exact", 16)
-    oar_p, _ = perturbation_importance(HFPrefixModel(model), ids, torch.arange(len(ids)), span, predict,
-                                       tokenizer.pad_token_id, PerturbationConfig(), max_tokens=8192)
+    sample = Sample(ids, torch.arange(len(ids)), span, predict, prompt_len=int(reasoning.nonzero()[0]))
+    (oar_p,), _, _ = batched_perturbation_importance(HFRowsModel(model, pad_id=tokenizer.pad_token_id), [sample],
+                                                     tokenizer.pad_token_id, PerturbationConfig(), max_tokens=8192)
     for name, expected in (("oar_g", oar_g), ("oar_p", oar_p[p:])):
         got = torch.tensor(row["scores"][name])
         assert torch.equal(got, expected.float()), name  # the same computation: bit for bit
