@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_oar.core.batched_perturbation import Row, Sample, batched_perturbation_importance, call_tokens, plan_calls
+from verl_oar.core.batched_perturbation import (
+    CACHE_FACTOR,
+    Row,
+    Sample,
+    batched_perturbation_importance,
+    cached_tokens,
+    call_tokens,
+    plan_calls,
+)
 from verl_oar.core.hf import HFRowsModel
 from verl_oar.core.outcome import OUTCOMES
 from verl_oar.core.perturbation import PerturbationConfig, naive_perturbation_importance, occlusion_spans
@@ -157,6 +165,9 @@ def test_calls_stay_within_the_budget():
         calls = plan_calls(rows, budget)
         assert sorted(i for c in calls for i in c) == list(range(200))
         assert all(len(c) == 1 or call_tokens([rows[i] for i in c]) <= budget for c in calls)
+        assert all(len(c) == 1 or cached_tokens([rows[i] for i in c]) <= CACHE_FACTOR * budget for c in calls)
+        if budget >= 500:  # rows of several lengths share calls
+            assert len(calls) < len(rows) // 2
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])

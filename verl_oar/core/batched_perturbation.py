@@ -12,9 +12,9 @@ are laid out. A pass is a list of :class:`Row` (new tokens that continue a row's
 3. **copies**: for each span ``s`` starting at ``p_s``, the occluded tokens ``x^(s)[p_s:end]`` continuing
    the sample's clean cache of ``[0, p_s)``: a copy feeds only the tokens from its own span on.
 
-Rows are sorted by how many tokens they feed and packed into calls while ``rows x (longest prefix + longest
-new part) <= max_tokens`` (the padded size of the call's attention; the caller passes verl's log-prob token
-budget); a row alone over the budget is called alone. Without prefix sharing (``share_prefix=False``: a model
+Rows are sorted by how many tokens they feed and packed into calls while ``rows x longest new part <= max_tokens``
+(tokens through the model, padded: the caller passes verl's log-prob token budget) and ``rows x longest prefix
+<= CACHE_FACTOR x max_tokens`` (cached tokens gathered for the call); a row alone over the budget is called alone. Without prefix sharing (``share_prefix=False``: a model
 whose cache cannot be reused, or Megatron) every row starts at position 0 and the three stages become
 one clean row and one full copy per span, still batched across samples.
 
@@ -34,7 +34,8 @@ from torch import Tensor
 from verl_oar.core.outcome import outcome_divergence, outcome_statistic
 from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
 
-__all__ = ["Row", "RowsModel", "Sample", "batched_perturbation_importance", "plan_calls"]
+__all__ = ["CACHE_FACTOR", "Row", "RowsModel", "Sample", "batched_perturbation_importance", "cached_tokens",
+           "call_tokens", "plan_calls"]
 
 
 @dataclass
@@ -88,21 +89,36 @@ class RowsModel(Protocol):
         ...
 
 
+CACHE_FACTOR = 4
+"""Cached prefix tokens a call may gather, per token of its budget. A cached token holds 2 x layers x kv_heads x
+head_dim values (28 KB in bf16 for Qwen2.5-Math-1.5B, 57 KB for 7B), a token of verl's log-prob pass at least its
+float32 logits (600 KB at a 152k vocabulary): 4x the budget in cached tokens stays under a fifth of that pass's
+logits memory."""
+
+
 def call_tokens(rows: list[Row]) -> int:
-    """Padded size of a call: rows x (longest prefix + longest new part)."""
-    return len(rows) * (max(r.past_len for r in rows) + max(r.ids.numel() for r in rows))
+    """Tokens a call feeds through the model, padded: rows x longest new part."""
+    return len(rows) * max(r.ids.numel() for r in rows)
+
+
+def cached_tokens(rows: list[Row]) -> int:
+    """Cached tokens a call gathers, padded: rows x longest prefix."""
+    return len(rows) * max(r.past_len for r in rows)
 
 
 def plan_calls(rows: list[Row], max_tokens: int) -> list[list[int]]:
-    """Indices of ``rows`` per model call: longest new part first, each call within ``max_tokens`` (padded, see
-    :func:`call_tokens`) unless it holds a single row."""
+    """Indices of ``rows`` per model call: longest new part first; each call within ``max_tokens`` fed and
+    ``CACHE_FACTOR x max_tokens`` cached (padded, see :func:`call_tokens`, :func:`cached_tokens`) unless it holds
+    a single row."""
     order = sorted(range(len(rows)), key=lambda i: (-rows[i].ids.numel(), -rows[i].past_len, i))
     calls: list[list[int]] = []
     for i in order:
-        if calls and call_tokens([rows[j] for j in calls[-1]] + [rows[i]]) <= max_tokens:
-            calls[-1].append(i)
-        else:
-            calls.append([i])
+        if calls:
+            trial = [rows[j] for j in calls[-1]] + [rows[i]]
+            if call_tokens(trial) <= max_tokens and cached_tokens(trial) <= CACHE_FACTOR * max_tokens:
+                calls[-1].append(i)
+                continue
+        calls.append([i])
     return calls
 
 
@@ -182,7 +198,8 @@ def batched_perturbation_importance(
         samples: the sequences (:class:`Sample`), on the model's device.
         neutral_id: the token an occluded token becomes.
         cfg: the outcome, and whether to share prefixes (``mode`` / ``budget`` were used to build the spans).
-        max_tokens: the padded token budget of one model call (:func:`call_tokens`).
+        max_tokens: the padded token budget of one model call (:func:`call_tokens`; cached tokens up to
+            ``CACHE_FACTOR`` times it).
 
     Returns:
         per sample (L,) float32 importance (every token of a span gets the span's; 0 off spans, and everywhere
