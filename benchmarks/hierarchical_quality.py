@@ -1,0 +1,361 @@
+"""OAR-P ``hierarchical`` mode against ``chunk`` and ``exact``: how much of exact mode's ranking does it
+recover, for how many occluded copies (``verl_oar.core.hierarchical``).
+
+    python benchmarks/hierarchical_quality.py [--samples 48] [--long-lengths 256,512,1024] [--long-per-length 8]
+        [--budgets 4,8,16,32,64] [--tops 1,2,4,8] [--units 1,2,4] [--chunks 4,8,16,32,64,128,256]
+        [--seed 0] [--out benchmarks/results_hierarchical_quality_cpu.json] [--plot FILE.png]
+
+Model: the committed pick_max testbed model (``verl_oar/testbed/start/model``: a 2-layer Qwen2, hidden 64, byte
+tokenizer), float32, one thread. Outcome AS-MEAN, neutral token a space (as ``verl_oar.testbed.quality``: the
+pad token's embedding is untrained), temperature 1.
+
+Sequences:
+
+(a) ``testbed``: ``--samples`` val prompts, one response each sampled at temperature 1 (``sample_responses``,
+    seed ``--seed``), reasoning and answer tokens from the response text (``pick_max.oracle_batch``), exactly
+    as ``verl_oar.testbed.quality`` builds them (R ~ 27 reasoning tokens).
+(b) ``long``: ``--long-per-length`` sequences per target length R in ``--long-lengths``: a pick_max prompt of
+    two random pairs and a warm-start-format response (filler words, repeat probability 0.15, the two picks at
+    the ends of the first and second third) stretched to about R reasoning tokens, then ``\\boxed{..}``. The
+    testbed model was trained on ~75-token sequences (positions < 256): at these lengths it no longer
+    solves the task (its answer probability falls to ~1e-4) and its exact importance is no longer on the
+    picks, but it is still a trained network's heavy-tailed occlusion ranking over R ~ 256-1024 tokens,
+    which is what is measured here: agreement with exact mode, not causality. No small model trained on
+    long sequences was available offline.
+
+Per configuration and sequence: ``passes`` = occluded copies / R (exact = 1; the clean pass not counted);
+``recall@f`` = the fraction of exact mode's top-f tokens (``importance_quality.top_fraction_mask``, ties broken
+by a seeded random permutation) that are in the method's top-f; ``spearman`` = rank correlation with exact
+over the reasoning tokens (average ranks for ties). Summaries over sequences: mean with a 95% bootstrap CI
+(2000 resamples), median, and the share of sequences with recall@0.1 >= 0.95.
+
+Methods: ``exact``; ``chunk`` K for K in ``--chunks`` (every token carries its chunk's importance);
+``hierarchical`` K/m/u for K in ``--budgets``, m in ``--tops`` (m <= K), u in ``--units``, with each way of
+scoring unrefined tokens (``core.hierarchical.FILLS``). Compute is shared: the scorer caches every occlusion
+(a span's importance depends only on its token set), so a refined single-token unit reuses exact mode's
+pass; the costs reported are what each configuration scores on its own (``HierarchicalStats.occlusions``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verl_oar.core.hf import HFPrefixModel
+from verl_oar.core.hierarchical import FILLS, hierarchical_importance
+from verl_oar.core.outcome import padded_predicting_positions
+from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
+from verl_oar.testbed.importance_quality import top_fraction_mask
+from verl_oar.testbed.machine import machine_info
+
+FRACS = (0.05, 0.1, 0.2)
+TARGET = {"recall@0.1": 0.95, "passes": 0.1}
+MAX_TOKENS = 8192
+
+
+class Sequence_:
+    """One scored sequence: ids, positions, predicting positions, reasoning mask."""
+
+    def __init__(self, ids, reasoning, answer, family: str):
+        self.ids = ids
+        self.positions = torch.arange(ids.numel())
+        self.reasoning = reasoning
+        self.predict = padded_predicting_positions(ids[None], answer[None])[0][0]
+        self.family = family
+        self.R = int(reasoning.sum())
+
+
+class CachedScorer:
+    """``score_spans`` over ``perturbation_importance`` one sequence at a time, caching every occlusion."""
+
+    def __init__(self, model, sequences, neutral_id: int, cfg: PerturbationConfig):
+        self.model = HFPrefixModel(model)
+        self.sequences = sequences
+        self.neutral_id = neutral_id
+        self.cfg = cfg
+        self.cache: list[dict[tuple[int, ...], float]] = [{} for _ in sequences]
+        self.computed = 0
+
+    def score(self, b: int, span: torch.Tensor) -> torch.Tensor:
+        seq, cache = self.sequences[b], self.cache[b]
+        num = int(span.max()) + 1 if span.numel() else 0
+        keys = [tuple((span == s).nonzero().squeeze(1).tolist()) for s in range(num)]
+        todo = [s for s in range(num) if keys[s] not in cache]
+        if todo:
+            sub = torch.full_like(span, -1)
+            for j, s in enumerate(todo):  # span ids are in position order, so todo is too
+                sub[span == s] = j
+            imp, cost = perturbation_importance(self.model, seq.ids, seq.positions, sub, seq.predict, self.neutral_id,
+                                                self.cfg, MAX_TOKENS)
+            self.computed += cost.copies
+            for j, s in enumerate(todo):
+                cache[keys[s]] = float(imp[sub == j][0])
+        out = torch.zeros(span.shape, dtype=torch.float32)
+        for s in range(num):
+            out[span == s] = cache[keys[s]]
+        return out
+
+    def __call__(self, spans):
+        return [self.score(b, span) for b, span in enumerate(spans)]
+
+
+def rankdata(x: np.ndarray) -> np.ndarray:
+    """Average ranks (ties share their mean rank)."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x))
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return sums[inverse] / counts[inverse]
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = rankdata(a), rankdata(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return 0.0
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def sequence_measures(method: torch.Tensor, exact: torch.Tensor, seq: Sequence_, seed: int) -> dict:
+    out = {}
+    for f in FRACS:
+        want = top_fraction_mask(exact, seq.reasoning, f, torch.Generator().manual_seed(seed))
+        got = top_fraction_mask(method, seq.reasoning, f, torch.Generator().manual_seed(seed))
+        out[f"recall@{f}"] = float((want & got).sum()) / float(want.sum())
+    out["spearman"] = spearman(method[seq.reasoning].double().numpy(), exact[seq.reasoning].double().numpy())
+    return out
+
+
+def summarise(values: list[float], rng: np.random.Generator) -> dict:
+    v = np.asarray(values, dtype=float)
+    boots = rng.choice(v, size=(2000, len(v)), replace=True).mean(1)
+    return {"mean": round(float(v.mean()), 4), "ci95": [round(float(np.quantile(boots, 0.025)), 4),
+                                                       round(float(np.quantile(boots, 0.975)), 4)],
+            "median": round(float(np.median(v)), 4)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sequences
+# ---------------------------------------------------------------------------------------------------
+
+
+def testbed_sequences(model, tokenizer, bed, samples: int, seed: int) -> list[Sequence_]:
+    import pandas as pd
+
+    from verl_oar.testbed.quality import make_batch
+    from verl_oar.testbed.workspace import max_response_tokens, sample_responses
+
+    val = pd.read_parquet(bed.val_file)
+    rows = [val.iloc[i % len(val)] for i in range(samples)]
+    sampled = sample_responses(model, tokenizer, [r["extra_info"]["question"] for r in rows], seed=seed,
+                               max_new_tokens=max_response_tokens(bed.spec))
+    batch, _ = make_batch(sampled, [str(r["reward_model"]["ground_truth"]) for r in rows], tokenizer)
+    reasoning, answer = batch.to_full(batch.oracle["reasoning"]), batch.to_full(batch.oracle["answer"])
+    out = []
+    for b in range(batch.ids.shape[0]):
+        n = int(batch.attention[b].sum())
+        out.append(Sequence_(batch.ids[b, :n], reasoning[b, :n], answer[b, :n], "testbed"))
+    return out
+
+
+def long_sequences(tokenizer, lengths: list[int], per_length: int, seed: int) -> list[Sequence_]:
+    from verl_oar.testbed.pick_max import filler_gap
+    from verl_oar.testbed.workspace import chat_prompt_ids
+
+    rng = random.Random(f"{seed}/long")
+    out = []
+    for target in lengths:
+        for _ in range(per_length):
+            pairs = [tuple(rng.sample(range(10), 2)) for _ in range(2)]
+            picks = [max(p) for p in pairs]
+            words = max(1, round(target / 3 / 4))  # three gaps of `words` 3-letter words and a space each
+            items = filler_gap(words, 3, rng, 0.15)
+            for pick in picks:
+                items += [str(pick), *filler_gap(words, 3, rng, 0.15)]
+            reasoning_text = " ".join(items) + " "
+            answer_text = "".join(map(str, picks))
+            prompt = chat_prompt_ids(tokenizer, "max: " + " | ".join(f"{a} {b}" for a, b in pairs))
+            r_ids = tokenizer.encode(reasoning_text, add_special_tokens=False)
+            box = tokenizer.encode("\\boxed{", add_special_tokens=False)
+            a_ids = tokenizer.encode(answer_text, add_special_tokens=False)
+            tail = tokenizer.encode("}", add_special_tokens=False) + [tokenizer.eos_token_id]
+            ids = torch.tensor(prompt + r_ids + box + a_ids + tail)
+            reasoning = torch.zeros(ids.numel(), dtype=torch.bool)
+            reasoning[len(prompt) : len(prompt) + len(r_ids)] = True
+            answer = torch.zeros(ids.numel(), dtype=torch.bool)
+            start = len(prompt) + len(r_ids) + len(box)
+            answer[start : start + len(a_ids)] = True
+            out.append(Sequence_(ids, reasoning, answer, f"long{target}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------------
+
+
+def measure_family(model, sequences, neutral_id, args, rng) -> dict:
+    cfg = PerturbationConfig(outcome="mean")
+    scorer = CachedScorer(model, sequences, neutral_id, cfg)
+    start = time.perf_counter()
+    exact = scorer([occlusion_spans(s.reasoning, "exact", 1) for s in sequences])
+    exact_seconds = time.perf_counter() - start
+    rows: list[dict] = []
+
+    def add(method: str, params: dict, scores, passes) -> None:
+        per = [sequence_measures(m, e, s, args.seed + 3) for m, e, s in zip(scores, exact, sequences)]
+        row = {"method": method, **params}
+        row["passes"] = summarise([p / s.R for p, s in zip(passes, sequences)], rng)
+        for key in per[0]:
+            row[key] = summarise([p[key] for p in per], rng)
+        row["share_recall@0.1>=0.95"] = round(float(np.mean([p["recall@0.1"] >= 0.95 for p in per])), 4)
+        rows.append(row)
+
+    add("exact", {}, exact, [s.R for s in sequences])
+    for k in args.chunks:
+        add("chunk", {"K": k}, scorer([occlusion_spans(s.reasoning, "chunk", k) for s in sequences]),
+            [min(k, s.R) for s in sequences])
+    for k in args.budgets:
+        for m in (t for t in args.tops if t <= k):
+            for u in args.units:
+                hcfg = PerturbationConfig(outcome="mean", mode="hierarchical", budget=k, refine_top=m, refine_unit=u)
+                for fill in FILLS:
+                    scores, stats = hierarchical_importance(scorer, [s.reasoning for s in sequences], hcfg, fill=fill)
+                    add("hierarchical", {"K": k, "m": m, "u": u, "fill": fill}, scores, stats.occlusions)
+    return {
+        "sequences": len(sequences),
+        "reasoning_tokens": summarise([s.R for s in sequences], rng),
+        "reasoning_tokens_range": [min(s.R for s in sequences), max(s.R for s in sequences)],
+        "exact_seconds": round(exact_seconds, 1),
+        "copies_computed": scorer.computed,
+        "rows": rows,
+    }
+
+
+def frontier(rows: list[dict], key: str = "recall@0.1") -> list[dict]:
+    """Rows not dominated in (mean passes lower, mean recall higher)."""
+    pts = sorted(rows, key=lambda r: (r["passes"]["mean"], -r[key]["mean"]))
+    out, best = [], -1.0
+    for r in pts:
+        if r[key]["mean"] > best:
+            out.append(r)
+            best = r[key]["mean"]
+    return out
+
+
+def label(row: dict) -> str:
+    if row["method"] == "exact":
+        return "exact"
+    if row["method"] == "chunk":
+        return f"chunk K={row['K']}"
+    return f"hier K={row['K']} m={row['m']} u={row['u']} {row['fill']}"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = list(report["families"])
+    fig, axes = plt.subplots(1, len(families), figsize=(6.5 * len(families), 5), squeeze=False)
+    markers = {1: "o", 2: "s", 4: "^", 8: "D"}
+    for ax, fam in zip(axes[0], families):
+        rows = report["families"][fam]["rows"]
+        ch = [r for r in rows if r["method"] == "chunk"]
+        ax.plot([r["passes"]["mean"] for r in ch], [r["recall@0.1"]["mean"] for r in ch], "k.-", label="chunk K")
+        for u in sorted({r["u"] for r in rows if r["method"] == "hierarchical"}):
+            hs = [r for r in rows if r["method"] == "hierarchical" and r["u"] == u and r["fill"] == "share"]
+            ax.scatter([r["passes"]["mean"] for r in hs], [r["recall@0.1"]["mean"] for r in hs],
+                       marker=markers.get(u, "x"), label=f"hierarchical u={u} (share)", alpha=0.8)
+        hs = [r for r in rows if r["method"] == "hierarchical" and r["fill"] == "span"]
+        ax.scatter([r["passes"]["mean"] for r in hs], [r["recall@0.1"]["mean"] for r in hs], marker="x",
+                   color="grey", alpha=0.5, label="hierarchical (span fill)")
+        ax.scatter([1.0], [1.0], marker="*", s=150, color="red", label="exact")
+        ax.axvline(TARGET["passes"], color="red", lw=0.8, ls="--")
+        ax.axhline(TARGET["recall@0.1"], color="red", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("occluded copies per sequence / R (mean)")
+        ax.set_ylabel("recall of exact's top-10% (mean)")
+        rt = report["families"][fam]["reasoning_tokens_range"]
+        ax.set_title(f"{fam}: {report['families'][fam]['sequences']} sequences, R {rt[0]}-{rt[1]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=48)
+    parser.add_argument("--long-lengths", default="256,512,1024")
+    parser.add_argument("--long-per-length", type=int, default=8)
+    parser.add_argument("--budgets", default="4,8,16,32,64")
+    parser.add_argument("--tops", default="1,2,4,8")
+    parser.add_argument("--units", default="1,2,4")
+    parser.add_argument("--chunks", default="4,8,16,32,64,128,256")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results_hierarchical_quality_cpu.json")
+    parser.add_argument("--plot", default="benchmarks/hierarchical_quality_frontier_cpu.png")
+    parser.add_argument("--print-fills", action="store_true", help="print every fill's rows (default: share only)")
+    args = parser.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    args.budgets, args.tops, args.units, args.chunks = map(ints, (args.budgets, args.tops, args.units, args.chunks))
+    lengths = ints(args.long_lengths)
+
+    from transformers import AutoModelForCausalLM
+
+    from verl_oar.cpu.workspace import build_tokenizer
+    from verl_oar.testbed.workspace import committed_testbed
+
+    torch.set_num_threads(1)
+    start = time.time()
+    bed = committed_testbed()
+    tokenizer = build_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(bed.model_dir, dtype=torch.float32).eval()
+    neutral_id = tokenizer.encode(" ", add_special_tokens=False)[0]
+    rng = np.random.default_rng(args.seed)
+    families = {}
+    if args.samples > 0:
+        families["testbed"] = measure_family(model, testbed_sequences(model, tokenizer, bed, args.samples, args.seed),
+                                             neutral_id, args, rng)
+        print(f"testbed done {time.time() - start:.0f}s", file=sys.stderr)
+    if lengths and args.long_per_length > 0:
+        families["long"] = measure_family(model, long_sequences(tokenizer, lengths, args.long_per_length, args.seed),
+                                          neutral_id, args, rng)
+        print(f"long done {time.time() - start:.0f}s", file=sys.stderr)
+    for fam in families.values():
+        fam["frontier_recall@0.1"] = [label(r) for r in frontier(fam["rows"])]
+    report = {
+        "command": "python " + " ".join(["benchmarks/hierarchical_quality.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine_info(),
+        "model": "verl_oar/testbed/start/model (2-layer Qwen2, hidden 64, byte tokenizer), float32, 1 thread",
+        "outcome": "mean", "neutral": "space", "fracs": list(FRACS), "target": TARGET,
+        "seconds": round(time.time() - start, 1),
+        "families": families,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot(report, Path(args.plot))
+    for name, fam in families.items():
+        print(f"\n== {name}: {fam['sequences']} sequences, R {fam['reasoning_tokens_range']}")
+        print(f"{'method':<40} {'passes/R':>9} {'rec@.1':>7} {'95% CI':>15} {'rho':>6} {'>=.95':>6}")
+        for r in fam["rows"]:
+            if r["method"] == "hierarchical" and r["fill"] not in ("share",) and not args.print_fills:
+                continue
+            ci = r["recall@0.1"]["ci95"]
+            print(f"{label(r):<40} {r['passes']['mean']:>9.3f} {r['recall@0.1']['mean']:>7.3f} "
+                  f"{f'[{ci[0]:.3f}, {ci[1]:.3f}]':>15} {r['spearman']['mean']:>6.3f} {r['share_recall@0.1>=0.95']:>6.2f}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
