@@ -13,13 +13,15 @@ lengths) with an 8-token answer at the end, and the recipes' old-log-prob token 
 - ``oar_g_fused``: OAR-G as the worker runs it by default: that same clean pass (log-probs + clean
   answer logits), then one noisy forward with ``logits_to_keep`` and an input-only backward;
 - ``oar_g_loglik_fused``: OAR-G ``objective=loglik``: one forward with grad, log-probs from it;
-- ``oar_p_chunk16``: OAR-P chunk mode, K=16 (the recipes' setting), each sequence on its own with the
-  prefix KV cache shared and calls bounded by the same token budget;
+- ``oar_p_chunk16``: OAR-P chunk mode, K=16 (the recipes' setting), as the engines run it: the prompt fed
+  once, copies of all rows sharing calls, each from its own span on (``core.batched_perturbation``), calls
+  bounded by the same token budget; ``oar_p_chunk16_per_sample`` the path before (each row on its own, its
+  copies grouped within it); ``oar_p_hierarchical``: K=16 chunks, the top 2 refined into single tokens;
 
 and the peak GPU memory of each (``torch.cuda.max_memory_allocated`` above the model's weights).
 ``--check-exact`` checks OAR-P exact mode (prefix KV cache, batched copies, explicit position ids
-through the GPU's attention kernels) against the naive loop (one whole forward per copy) on a small
-random model, in fp32 and bf16. ``--agreement`` also compares OAR-G importance of one sequence in bf16 with fp32 (Spearman rank
+through the GPU's attention kernels; per sample and across samples with padding masks) against the naive
+loop (one whole forward per copy) on a small random model, in fp32 and bf16. ``--agreement`` also compares OAR-G importance of one sequence in bf16 with fp32 (Spearman rank
 correlation and overlap of the top 10% tokens). Random weights make near-uniform predictions, so the
 agreement numbers say how much bf16 rounding moves the ranking of a random model only; the timings
 and memory do not depend on the weights.
@@ -134,10 +136,20 @@ def oar_g(model, ids, reasoning, predict, targets, segment, objective: str, fuse
     return importance
 
 
-def oar_p(model, ids, reasoning, predict, budget_tokens: int):
-    cfg = PerturbationConfig(outcome="mean", mode="chunk", budget=16)
+def oar_p(model, ids, reasoning, predict, budget_tokens: int, mode: str = "chunk"):
+    """OAR-P as the engines run it: copies of all rows sharing calls (``core.batched_perturbation``)."""
+    cfg = PerturbationConfig(outcome="mean", mode=mode, budget=16)
     answer = torch.roll(predict, 1, dims=1)  # the tokens the predicting positions predict
     return list(hf_importance(model, ids, reasoning, answer, cfg, neutral_id=NEUTRAL_ID, max_tokens=budget_tokens))
+
+
+def oar_p_per_sample(model, ids, reasoning, predict, budget_tokens: int):
+    """The path before cross-sample batching: each row alone, its copies grouped within it."""
+    cfg = PerturbationConfig(outcome="mean", mode="chunk", budget=16)
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    return [perturbation_importance(HFPrefixModel(model), ids[b], positions, occlusion_spans(reasoning[b], "chunk", 16),
+                                    predict[b], NEUTRAL_ID, cfg, max_tokens=budget_tokens)[0]
+            for b in range(ids.shape[0])]
 
 
 def measure(fn, repeats: int, device: str) -> tuple[float, float]:
@@ -185,6 +197,8 @@ def run_model(name: str, args, device: str) -> dict:
         "oar_g_fused": lambda: oar_g(model, *data, objective="noisy_kl"),
         "oar_g_loglik_fused": lambda: oar_g(model, *data, objective="loglik"),
         "oar_p_chunk16": lambda: oar_p(model, ids, reasoning, predict, shape["budget"]),
+        "oar_p_chunk16_per_sample": lambda: oar_p_per_sample(model, ids, reasoning, predict, shape["budget"]),
+        "oar_p_hierarchical": lambda: oar_p(model, ids, reasoning, predict, shape["budget"], mode="hierarchical"),
     }
     for key, fn in rows_to_time.items():
         seconds, peak = measure(fn, args.repeats, device)
@@ -232,9 +246,24 @@ def check_exact(device: str) -> dict:
             return full
 
         naive = naive_perturbation_importance(logits_fn, ids[0], span, predict[0], NEUTRAL_ID, "mean")
+        # the batched path: this row among three shorter ones (its copies share calls with theirs, padded)
+        others, other_reasoning, _, _, _ = batch(3, 32, 96, shape["vocab_size"], device)
+        answer = torch.roll(predict, 1, dims=1)
+        padded_ids = torch.cat([ids, torch.nn.functional.pad(others, (0, ids.shape[1] - others.shape[1]))])
+        mask = torch.zeros_like(padded_ids)
+        mask[0], mask[1:, : others.shape[1]] = 1, 1
+        rows_reasoning = torch.cat([reasoning, torch.nn.functional.pad(other_reasoning, (0, ids.shape[1] - others.shape[1]))])
+        rows_answer = torch.zeros_like(rows_reasoning)
+        rows_answer[0] = answer[0]
+        rows_answer[1:, others.shape[1] - ANSWER : others.shape[1]] = True
+        batched = hf_importance(model, padded_ids, rows_reasoning, rows_answer, cfg, attention_mask=mask,
+                                neutral_id=NEUTRAL_ID, max_tokens=4096)[0]
         sel = reasoning[0]
         err = float((ours[sel] - naive[sel]).abs().max() / naive[sel].abs().max().clamp_min(1e-30))
-        out[str(dtype).removeprefix("torch.")] = {"max_rel_err": err, "spearman": round(spearman(ours[sel].cpu(), naive[sel].cpu()), 4),
+        batched_err = float((batched[sel] - naive[sel]).abs().max() / naive[sel].abs().max().clamp_min(1e-30))
+        out[str(dtype).removeprefix("torch.")] = {"max_rel_err": err, "batched_max_rel_err": batched_err,
+                                                  "spearman": round(spearman(ours[sel].cpu(), naive[sel].cpu()), 4),
+                                                  "batched_spearman": round(spearman(batched[sel].cpu(), naive[sel].cpu()), 4),
                                                   "scale": float(naive[sel].abs().max())}
         print(f"[gpu_scale] OAR-P exact vs naive, {dtype}: {out[str(dtype).removeprefix('torch.')]}", flush=True)
         del model
