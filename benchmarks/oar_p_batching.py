@@ -154,7 +154,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default="256,1024,4096,mixed")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--hierarchical", default="16:2:1", help="K:m:unit settings, comma-separated ('' for none)")
+    parser.add_argument("--hierarchical", default="16:4:4", help="K:m:unit settings, comma-separated ('' for none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from verl_oar.testbed.machine import machine_info

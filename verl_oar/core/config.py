@@ -69,9 +69,10 @@ class OARConfig:
     perturb_budget: int = 16
     """OAR-P: K, the most occluded copies per response in chunk and line modes (cost grows with K,
     not with the response length)"""
-    perturb_refine_top: int = 2
-    """OAR-P ``hierarchical`` mode: m, how many of the ``perturb_budget`` coarse chunks are refined"""
-    perturb_refine_unit: int = 1
+    perturb_refine_top: int = 4
+    """OAR-P ``hierarchical`` mode: m, how many of the ``perturb_budget`` coarse chunks are refined (4, with
+    ``perturb_refine_unit=4``: the best recall of exact mode's top tokens at ~0.1 R copies, docs/method.md)"""
+    perturb_refine_unit: int = 4
     """OAR-P ``hierarchical`` mode: tokens per refined span (1: single tokens)"""
     perturb_token_id: int = -1
     """OAR-P: the token an occluded token is replaced by; -1 = the tokenizer's pad token (else eos)"""

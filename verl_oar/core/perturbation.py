@@ -64,9 +64,10 @@ class PerturbationConfig:
     """K, the most occlusions per response in ``chunk`` and ``line`` modes; unused by ``exact``."""
     share_prefix: bool = True
     """Reuse the clean pass's KV cache before each span (exact either way; off only to measure)."""
-    refine_top: int = 2
-    """m, ``hierarchical`` mode: how many of the K coarse chunks (the most important) are refined."""
-    refine_unit: int = 1
+    refine_top: int = 4
+    """m, ``hierarchical`` mode: how many of the K coarse chunks (the most important) are refined (default from
+    the measured frontier, docs/method.md)."""
+    refine_unit: int = 4
     """``hierarchical`` mode: tokens per refined span (1: every token of a refined chunk on its own)."""
 
     def __post_init__(self) -> None:

@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     method.add_argument("--estimators", default="oar_g,oar_p", help=f"comma-separated: {', '.join(ESTIMATORS)}")
     method.add_argument("--oar-p-mode", choices=("exact", "chunk", "line", "hierarchical"), default="exact")
     method.add_argument("--oar-p-budget", type=int, default=16, help="K spans in chunk / line / hierarchical mode")
-    method.add_argument("--oar-p-refine-top", type=int, default=2, help="hierarchical mode: chunks refined (m)")
+    method.add_argument("--oar-p-refine-top", type=int, default=4, help="hierarchical mode: chunks refined (m)")
+    method.add_argument("--oar-p-refine-unit", type=int, default=4, help="hierarchical mode: tokens per refined unit")
     method.add_argument("--oar-p-max-tokens", type=int, default=8192, help="tokens per OAR-P model call")
     method.add_argument("--neutral", default="pad", help="OAR-P occlusion token: pad, space or a token id")
     method.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (logits are divided by it)")
@@ -476,7 +477,8 @@ def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], 
             importance = oar_g_importance(model, sample, GradientConfig(), args.seed, args.temperature)
         else:
             pcfg = PerturbationConfig(outcome="mean", mode=args.oar_p_mode, budget=args.oar_p_budget,
-                                      share_prefix=can_share_prefix(model), refine_top=args.oar_p_refine_top)
+                                      share_prefix=can_share_prefix(model), refine_top=args.oar_p_refine_top,
+                                      refine_unit=args.oar_p_refine_unit)
             importance = oar_p_importance(model, sample, pcfg, neutral, args.oar_p_max_tokens, tokenizer,
                                           args.temperature)
         record["scores"][name] = importance.tolist()
