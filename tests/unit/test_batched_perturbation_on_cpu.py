@@ -10,6 +10,7 @@ import torch
 
 from verl_oar.core.batched_perturbation import (
     CACHE_FACTOR,
+    WASTE_FRACTION,
     Row,
     Sample,
     batched_perturbation_importance,
@@ -166,8 +167,15 @@ def test_calls_stay_within_the_budget():
         assert sorted(i for c in calls for i in c) == list(range(200))
         assert all(len(c) == 1 or call_tokens([rows[i] for i in c]) <= budget for c in calls)
         assert all(len(c) == 1 or cached_tokens([rows[i] for i in c]) <= CACHE_FACTOR * budget for c in calls)
-        if budget >= 500:  # rows of several lengths share calls
-            assert len(calls) < len(rows) // 2
+        for c in calls:  # padding bounded: tokens fed and attention area within WASTE_FRACTION of the rows' own
+            call = [rows[i] for i in c]
+            news = [r.ids.numel() for r in call]
+            width = max(r.past_len for r in call) + max(news)
+            assert len(c) * max(news) <= (1 + WASTE_FRACTION) * sum(news)
+            assert len(c) * max(news) * width <= (1 + WASTE_FRACTION) * sum(n * (r.past_len + n) for r, n in zip(call, news))
+    # rows of the same shape (copies of one span across samples) fill calls up to the budget
+    same = [Row(torch.zeros(10, dtype=torch.long), torch.zeros(1), past_len=30) for _ in range(40)]
+    assert [len(c) for c in plan_calls(same, 100)] == [10] * 4
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])

@@ -12,9 +12,10 @@ are laid out. A pass is a list of :class:`Row` (new tokens that continue a row's
 3. **copies**: for each span ``s`` starting at ``p_s``, the occluded tokens ``x^(s)[p_s:end]`` continuing
    the sample's clean cache of ``[0, p_s)``: a copy feeds only the tokens from its own span on.
 
-Rows are sorted by how many tokens they feed and packed into calls while ``rows x longest new part <= max_tokens``
-(tokens through the model, padded: the caller passes verl's log-prob token budget) and ``rows x longest prefix
-<= CACHE_FACTOR x max_tokens`` (cached tokens gathered for the call); a row alone over the budget is called alone. Without prefix sharing (``share_prefix=False``: a model
+Rows are ordered by length and packed into calls while ``rows x longest new part <= max_tokens`` (tokens through
+the model, padded: the caller passes verl's log-prob token budget), ``rows x longest prefix <= CACHE_FACTOR x
+max_tokens`` (cached tokens gathered for the call) and the padding stays within ``WASTE_FRACTION`` of the rows'
+own work (:func:`plan_calls`); a row alone over the budget is called alone. Without prefix sharing (``share_prefix=False``: a model
 whose cache cannot be reused, or Megatron) every row starts at position 0 and the three stages become
 one clean row and one full copy per span, still batched across samples.
 
@@ -34,7 +35,7 @@ from torch import Tensor
 from verl_oar.core.outcome import outcome_divergence, outcome_statistic
 from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
 
-__all__ = ["CACHE_FACTOR", "Row", "RowsModel", "Sample", "batched_perturbation_importance", "cached_tokens",
+__all__ = ["CACHE_FACTOR", "WASTE_FRACTION", "Row", "RowsModel", "Sample", "batched_perturbation_importance", "cached_tokens",
            "call_tokens", "plan_calls"]
 
 
@@ -106,19 +107,33 @@ def cached_tokens(rows: list[Row]) -> int:
     return len(rows) * max(r.past_len for r in rows)
 
 
+WASTE_FRACTION = 0.25
+"""The padding a call may add: its padded new tokens (rows x longest new part, what the linear layers compute)
+and its padded attention area (rows x longest new part x (longest prefix + longest new part)) each stay within
+this fraction above the rows' own."""
+
+
+def _fits(rows: list[Row], max_tokens: int) -> bool:
+    news = [r.ids.numel() for r in rows]
+    new, width = max(news), max(r.past_len for r in rows) + max(news)
+    return (call_tokens(rows) <= max_tokens and cached_tokens(rows) <= CACHE_FACTOR * max_tokens
+            and len(rows) * new <= (1 + WASTE_FRACTION) * sum(news)
+            and len(rows) * new * width <= (1 + WASTE_FRACTION) * sum(n * (r.past_len + n) for r, n in zip(rows, news)))
+
+
 def plan_calls(rows: list[Row], max_tokens: int) -> list[list[int]]:
-    """Indices of ``rows`` per model call: longest new part first; each call within ``max_tokens`` fed and
-    ``CACHE_FACTOR x max_tokens`` cached (padded, see :func:`call_tokens`, :func:`cached_tokens`) unless it holds
-    a single row."""
-    order = sorted(range(len(rows)), key=lambda i: (-rows[i].ids.numel(), -rows[i].past_len, i))
+    """Indices of ``rows`` per model call. Rows are ordered by total length (prefix + new), then new part,
+    longest first, so rows of one sample and of samples of similar length are neighbours; a call takes the
+    next row while it stays within ``max_tokens`` fed, ``CACHE_FACTOR x max_tokens`` cached (padded, see
+    :func:`call_tokens`, :func:`cached_tokens`) and ``WASTE_FRACTION`` of padding; a single row always fits."""
+    order = sorted(range(len(rows)), key=lambda i: (-(rows[i].past_len + rows[i].ids.numel()),
+                                                    -rows[i].ids.numel(), i))
     calls: list[list[int]] = []
     for i in order:
-        if calls:
-            trial = [rows[j] for j in calls[-1]] + [rows[i]]
-            if call_tokens(trial) <= max_tokens and cached_tokens(trial) <= CACHE_FACTOR * max_tokens:
-                calls[-1].append(i)
-                continue
-        calls.append([i])
+        if calls and _fits([rows[j] for j in calls[-1]] + [rows[i]], max_tokens):
+            calls[-1].append(i)
+        else:
+            calls.append([i])
     return calls
 
 

@@ -77,9 +77,9 @@ class OARConfig:
     perturb_token_id: int = -1
     """OAR-P: the token an occluded token is replaced by; -1 = the tokenizer's pad token (else eos)"""
     perturb_max_tokens: int = 0
-    """OAR-P: tokens per model call, copies x sequence length; 0 = verl's log-prob budget
-    (``log_prob_max_token_len_per_gpu`` with dynamic batch size, else ``log_prob_micro_batch_size_per_gpu``
-    copies)"""
+    """OAR-P: tokens fed per model call (rows x longest new part, padded; cached prefixes up to 4x it); 0 = verl's
+    log-prob budget (``log_prob_max_token_len_per_gpu`` with dynamic batch size, else
+    ``log_prob_micro_batch_size_per_gpu`` x the micro-batch's longest sequence)"""
     importance_model: str = "actor"
     """which model scores importance: actor (the rollout/old policy, default) or ref"""
     seed: int = 0

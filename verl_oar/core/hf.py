@@ -298,8 +298,8 @@ class HFRowsModel:
     slots (P = the longest prefix) and its new tokens in ``N`` columns, with a (rows, P + N) attention mask
     that is 1 on real slots and explicit position ids. So every row's last positions are the same columns
     (one ``logits_to_keep``), a padding column still sees its row's real prefix, and flash-attention's unpadding,
-    sdpa and eager masks all give each row exactly its own sequence. A row's cache is per layer (key, value) of
-    shape (kv_heads, length, head_dim)."""
+    sdpa and eager masks all give each row exactly its own sequence. A row's cache is a pair (keys, values),
+    each (layers, kv_heads, length, head_dim): all layers move in one copy per row."""
 
     def __init__(self, module, context: Callable[[], AbstractContextManager] = nullcontext, pad_id: int = 0):
         """``module``: the causal LM (plain or FSDP-wrapped); ``context``: entered around every call (e.g.
@@ -311,7 +311,8 @@ class HFRowsModel:
         self.shares_cache = can_share_prefix(module)
 
     def prefix(self, cache, length: int):
-        return [(k[:, :length], v[:, :length]) for k, v in cache]
+        keys, values = cache
+        return keys[:, :, :length], values[:, :, :length]
 
     def __call__(self, rows):
         from transformers import DynamicCache
@@ -333,18 +334,14 @@ class HFRowsModel:
         kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": positions, "attention_mask": mask,
                                   "use_cache": any(r.cache for r in rows)}
         if P > 0:
-            layers = []
-            for layer in range(len(next(r.past for r in rows if r.past is not None))):
-                k0, v0 = next(r.past for r in rows if r.past is not None)[layer]
-                keys = k0.new_zeros((m, k0.shape[0], P, k0.shape[2]))
-                values = v0.new_zeros((m, v0.shape[0], P, v0.shape[2]))
-                for j, r in enumerate(rows):
-                    if r.past_len:
-                        k, v = r.past[layer]
-                        keys[j, :, P - r.past_len :] = k
-                        values[j, :, P - r.past_len :] = v
-                layers.append((keys, values))
-            kwargs["past_key_values"] = DynamicCache(ddp_cache_data=layers)
+            k0, v0 = next(r.past for r in rows if r.past is not None)
+            keys = k0.new_zeros((k0.shape[0], m, k0.shape[1], P, k0.shape[3]))      # (layers, m, kv_heads, P, d)
+            values = v0.new_zeros((v0.shape[0], m, v0.shape[1], P, v0.shape[3]))
+            for j, r in enumerate(rows):
+                if r.past_len:
+                    keys[:, j, :, P - r.past_len :] = r.past[0]
+                    values[:, j, :, P - r.past_len :] = r.past[1]
+            kwargs["past_key_values"] = DynamicCache(ddp_cache_data=list(zip(keys.unbind(0), values.unbind(0))))
             kwargs["use_cache"] = True
         if self.keep_supported:
             kwargs["logits_to_keep"] = keep
@@ -352,13 +349,14 @@ class HFRowsModel:
             out = self.module(**kwargs)
         logits = out.logits[:, -keep:]
         got_logits = [logits[j, keep - r.keep :] if r.keep else None for j, r in enumerate(rows)]
-        caches = []
-        for j, r in enumerate(rows):
-            if not r.cache:
-                caches.append(None)
-                continue
-            n = r.ids.numel()
-            caches.append([(torch.cat([layer.keys[j, :, P - r.past_len : P], layer.keys[j, :, P + N - n :]], dim=1),
-                            torch.cat([layer.values[j, :, P - r.past_len : P], layer.values[j, :, P + N - n :]], dim=1))
-                           for layer in out.past_key_values.layers])
+        caches: list = [None] * m
+        if any(r.cache for r in rows):
+            layers = out.past_key_values.layers
+            all_keys = torch.stack([layer.keys for layer in layers])                 # (layers, m, kv_heads, P + N, d)
+            all_values = torch.stack([layer.values for layer in layers])
+            for j, r in enumerate(rows):
+                if r.cache:
+                    n = r.ids.numel()
+                    caches[j] = tuple(torch.cat([x[:, j, :, P - r.past_len : P], x[:, j, :, P + N - n :]], dim=2)
+                                      for x in (all_keys, all_values))
         return got_logits, caches
