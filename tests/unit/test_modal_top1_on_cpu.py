@@ -35,12 +35,13 @@ def test_equals_a_per_row_reference(monkeypatch, dtype, tolerance, block_bytes, 
     assert (got <= 0).all() and got[5] > -1e-6
 
 
-def test_one_temperature_for_all_rows_and_logits_untouched():
-    logits = torch.randn(9, 300, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("temperature", [0.7, 1.0])  # 1.0 skips the division
+def test_one_temperature_for_all_rows_and_logits_untouched(temperature):
+    logits = torch.randn(9, 300, generator=torch.Generator().manual_seed(3)) * 3
     before = logits.clone()
-    got = modal.top1_log_probs(logits, 0.7)
+    got = modal.top1_log_probs(logits, temperature)
     assert torch.equal(logits, before)
-    assert torch.allclose(got.double(), _reference(logits, torch.full((9,), 0.7)), atol=2e-6, rtol=0)
+    assert torch.allclose(got.double(), _reference(logits, torch.full((9,), temperature)), atol=2e-6, rtol=0)
 
 
 def test_uniform_logits_give_minus_log_vocab():
