@@ -1,13 +1,12 @@
-"""OAR-P on one micro-batch of verl's Megatron engine: occluded copies, batched, without prefix sharing.
+"""OAR-P on one micro-batch of verl's Megatron engine: copies of all samples batched, without prefix sharing.
 
-The same importance as ``engines.fsdp.perturbation`` (FSDP) and ``verl_oar.core.perturbation``:
-each sample on its own, a clean pass, then batches of occluded copies under the token budget, every
-pass stopping at the last predicting position, logits kept only there. One departure: the copies
-do not reuse the clean pass's KV cache (``PerturbationConfig(share_prefix=False)``). Megatron's
-GPTModel has no transformers-style ``past_key_values``; its inference contexts are a separate
-serving API. Batching is kept: on CPU, exact mode without prefix sharing cost 0.46-0.83x the naive
-loop (README benchmarks), against 0.28-0.35x with it; ``chunk`` / ``line`` modes bound the cost
-by K either way.
+The same importance as ``engines.fsdp.perturbation`` (FSDP), through ``core.batched_perturbation``: a clean
+row per sample and one row per occluded copy, rows of different samples and lengths packed into the same
+calls in verl's own layout (THD: no padding at all; BSHD padded), every row stopping at its last predicting
+position, logits kept only there. What Megatron does not allow: reusing a KV cache. Its GPTModel has no
+transformers-style ``past_key_values`` (its inference contexts are a separate serving API), so every row
+starts at position 0 (``MegatronRowsModel.shares_cache = False``): no shared prompts and no copies fed from
+their span on, which is what the FSDP path saves; ``chunk`` / ``line`` modes bound the cost by K either way.
 
 Every TP rank of a data-parallel group holds the same micro-batch, so all of them make the same
 sequence of model calls (the tensor-parallel collectives inside stay matched); data-parallel
