@@ -73,5 +73,4 @@ def test_copies_stay_within_verls_log_prob_token_budget(cases):
         for peak, length in zip(case["peak_tokens"], case["lengths"]):
             budget = 96 if case["use_dynamic_bsz"] else case["micro_bsz"] * max(case["lengths"])
             assert peak <= max(budget, length), (_name(case), peak, budget)
-        if not case["use_dynamic_bsz"] and case["micro_bsz"] > 1:  # several copies shared a call
-            assert max(case["peak_tokens"]) > max(case["lengths"]), case
+    # that rows of several samples share calls is checked on the core (test_batched_perturbation_on_cpu.py)

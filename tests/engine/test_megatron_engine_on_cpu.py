@@ -252,8 +252,11 @@ def test_megatron_oar_p_rows_model_equals_the_naive_loop(thd, mode, outcome, max
         assert cost.copies == (int(sample.span.max()) + 1 if bool(sample.predict.any()) and bool((sample.span >= 0).any())
                                else 0)
     scored = sum(bool(s.predict.any()) and bool((s.span >= 0).any()) for s in samples)
-    # one row per call under a budget of 1 token; otherwise one call for the clean rows, one for the copies
-    assert total.forwards == (scored + total.copies if max_tokens == 1 else 2)
+    # one row per call under a budget of 1 token; otherwise rows share calls (as padding allows: BSHD pads)
+    if max_tokens == 1:
+        assert total.forwards == scored + total.copies
+    else:
+        assert 2 <= total.forwards < (scored + total.copies) / 2
 
 
 def test_megatron_oar_p_rows_model_refuses_a_prefix_cache_and_shifted_positions():

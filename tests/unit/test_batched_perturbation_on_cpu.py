@@ -90,6 +90,11 @@ def test_equals_the_naive_loop(model, outcome, seed, max_tokens):
     assert total.copies == sum(c.copies for c in costs) == sum(
         int(s.span[: int(s.predict.nonzero().max()) + 1].max()) + 1 for s in samples[1:] if (s.span >= 0).any())
     assert total.peak_call_tokens <= max(max_tokens, max(s.ids.numel() for s in samples))
+    rows = sum(1 for s in samples[1:] if (s.span >= 0).any()) + total.copies + 4  # + at most 4 prompt rows
+    if max_tokens == 1:
+        assert total.forwards >= rows - 4  # one row per call
+    elif max_tokens == 100_000:
+        assert total.forwards < rows / 3  # rows of several samples share calls
 
 
 @pytest.mark.parametrize("mode", ["chunk", "line"])
