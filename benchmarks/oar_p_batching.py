@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from importance_cost import build_model  # noqa: E402
 
-from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance, plan_calls, Row  # noqa: E402
+from verl_oar.core.batched_perturbation import Row, Sample, batched_perturbation_importance, plan_calls, score_samples  # noqa: E402
 from verl_oar.core.hf import HFPrefixModel, HFRowsModel  # noqa: E402
 from verl_oar.core.perturbation import (  # noqa: E402
     PerturbationConfig,
@@ -120,18 +120,8 @@ def batched(model, samples, cfg, max_tokens):
 
 
 def hierarchical(model, samples, cfg, max_tokens):
-    from verl_oar.core.hierarchical import hierarchical_importance
-
-    rows_model, cost = HFRowsModel(model, pad_id=NEUTRAL), PerturbationCost()
-
-    def score(spans):
-        for s, span in zip(samples, spans, strict=True):
-            s.span = span
-        out, _, c = batched_perturbation_importance(rows_model, samples, NEUTRAL, cfg, max_tokens)
-        cost.add(c)
-        return out
-
-    out, _ = hierarchical_importance(score, [reasoning_of(s) for s in samples], cfg)
+    out, _, cost = score_samples(HFRowsModel(model, pad_id=NEUTRAL), samples, [reasoning_of(s) for s in samples],
+                                 NEUTRAL, cfg, max_tokens)
     return out, cost
 
 

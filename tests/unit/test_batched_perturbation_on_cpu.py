@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_models import tiny_qwen2
 
 from verl_oar.core.batched_perturbation import (
     CACHE_FACTOR,
@@ -27,16 +28,7 @@ NEUTRAL = 0
 
 
 def _model(sliding: bool = False):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        use_sliding_window=sliding, sliding_window=8 if sliding else None,
-    )
-    config._attn_implementation = "sdpa"
-    return Qwen2ForCausalLM(config).double().eval()
+    return tiny_qwen2(VOCAB, max_positions=512, sliding=sliding)
 
 
 @pytest.fixture(scope="module")

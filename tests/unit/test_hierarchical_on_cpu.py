@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_models import tiny_qwen2
 
 from verl_oar.core.hf import HFPrefixModel
 from verl_oar.core.hierarchical import (
@@ -34,15 +35,7 @@ NEUTRAL = 0
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )
-    config._attn_implementation = "sdpa"
-    return Qwen2ForCausalLM(config).double().eval()
+    return tiny_qwen2(VOCAB)
 
 
 def _sequence(seed: int, length: int, prompt: int = 8, answer: int = 3):

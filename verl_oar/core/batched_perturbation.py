@@ -32,11 +32,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from verl_oar.core.hierarchical import hierarchical_importance
 from verl_oar.core.outcome import outcome_divergence, outcome_statistic
-from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans
 
 __all__ = ["CACHE_FACTOR", "WASTE_FRACTION", "Row", "RowsModel", "Sample", "batched_perturbation_importance", "cached_tokens",
-           "call_tokens", "plan_calls"]
+           "call_tokens", "plan_calls", "score_samples"]
 
 
 @dataclass
@@ -113,12 +114,27 @@ and its padded attention area (rows x longest new part x (longest prefix + longe
 this fraction above the rows' own."""
 
 
-def _fits(rows: list[Row], max_tokens: int) -> bool:
-    news = [r.ids.numel() for r in rows]
-    new, width = max(news), max(r.past_len for r in rows) + max(news)
-    return (call_tokens(rows) <= max_tokens and cached_tokens(rows) <= CACHE_FACTOR * max_tokens
-            and len(rows) * new <= (1 + WASTE_FRACTION) * sum(news)
-            and len(rows) * new * width <= (1 + WASTE_FRACTION) * sum(n * (r.past_len + n) for r, n in zip(rows, news)))
+class _Call:
+    """A call being filled: its rows and the running sums :func:`plan_calls` checks."""
+
+    def __init__(self, i: int, row: Row):
+        n = row.ids.numel()
+        self.rows, self.new, self.past = [i], n, row.past_len
+        self.new_sum, self.area_sum = n, n * (row.past_len + n)
+
+    def admits(self, row: Row, max_tokens: int) -> bool:
+        n = row.ids.numel()
+        count, new, past = len(self.rows) + 1, max(self.new, n), max(self.past, row.past_len)
+        return (count * new <= max_tokens and count * past <= CACHE_FACTOR * max_tokens
+                and count * new <= (1 + WASTE_FRACTION) * (self.new_sum + n)
+                and count * new * (past + new) <= (1 + WASTE_FRACTION) * (self.area_sum + n * (row.past_len + n)))
+
+    def add(self, i: int, row: Row) -> None:
+        n = row.ids.numel()
+        self.rows.append(i)
+        self.new, self.past = max(self.new, n), max(self.past, row.past_len)
+        self.new_sum += n
+        self.area_sum += n * (row.past_len + n)
 
 
 def plan_calls(rows: list[Row], max_tokens: int) -> list[list[int]]:
@@ -128,13 +144,13 @@ def plan_calls(rows: list[Row], max_tokens: int) -> list[list[int]]:
     :func:`call_tokens`, :func:`cached_tokens`) and ``WASTE_FRACTION`` of padding; a single row always fits."""
     order = sorted(range(len(rows)), key=lambda i: (-(rows[i].past_len + rows[i].ids.numel()),
                                                     -rows[i].ids.numel(), i))
-    calls: list[list[int]] = []
+    calls: list[_Call] = []
     for i in order:
-        if calls and _fits([rows[j] for j in calls[-1]] + [rows[i]], max_tokens):
-            calls[-1].append(i)
+        if calls and calls[-1].admits(rows[i], max_tokens):
+            calls[-1].add(i, rows[i])
         else:
-            calls.append([i])
-    return calls
+            calls.append(_Call(i, rows[i]))
+    return [call.rows for call in calls]
 
 
 @dataclass
@@ -288,3 +304,45 @@ def batched_perturbation_importance(
         for (i, span_id), d in zip(copy_of, divergence.tolist(), strict=True):
             out[i][samples[i].span == span_id] = d
     return out, sample_costs, cost
+
+
+def score_samples(
+    model: RowsModel,
+    samples: list[Sample],
+    reasoning: list[Tensor],
+    neutral_id: int,
+    cfg: PerturbationConfig,
+    max_tokens: int,
+    line_end: list[Tensor | None] | None = None,
+) -> tuple[list[Tensor], list[PerturbationCost], PerturbationCost]:
+    """OAR-P importance of ``samples`` in ``cfg.mode``: the spans of ``occlusion_spans``, or both rounds of
+    ``hierarchical`` (``core.hierarchical``), each round one :func:`batched_perturbation_importance`.
+
+    Args:
+        reasoning: per sample (L,) bool, the tokens scored; ``samples``' ``span`` fields are overwritten.
+        line_end: per sample (L,) bool tokens holding a line break (``line`` mode only).
+        model, neutral_id, cfg, max_tokens: as :func:`batched_perturbation_importance`.
+
+    Returns:
+        as :func:`batched_perturbation_importance`, costs summed over the rounds.
+    """
+    sample_costs = [PerturbationCost() for _ in samples]
+    cost = PerturbationCost()
+
+    def score_spans(spans: list[Tensor]) -> list[Tensor]:
+        for sample, span in zip(samples, spans, strict=True):
+            sample.span = span
+        importance, round_costs, round_cost = batched_perturbation_importance(model, samples, neutral_id, cfg,
+                                                                              max_tokens)
+        for total, c in zip(sample_costs, round_costs, strict=True):
+            total.add(c)
+        cost.add(round_cost)
+        return importance
+
+    if cfg.mode == "hierarchical":
+        importance, _ = hierarchical_importance(score_spans, reasoning, cfg)
+    else:
+        ends = line_end if line_end is not None else [None] * len(samples)
+        importance = score_spans([occlusion_spans(r, cfg.mode, cfg.budget, e) for r, e in zip(reasoning, ends,
+                                                                                                strict=True)])
+    return importance, sample_costs, cost

@@ -25,10 +25,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
+from verl_oar.core.batched_perturbation import Sample, score_samples
 from verl_oar.core.gradient import GradientConfig, gradient_importance
 from verl_oar.core.outcome import padded_predicting_positions
-from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
 
 __all__ = ["HFPrefixModel", "HFRowsModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix", "hf_importance",
            "make_hf_logits_fn"]
@@ -137,23 +137,11 @@ def hf_importance(
         reasoning_rows.append(reasoning[b, :length])
     rows_model = HFRowsModel(model, pad_id=neutral_id)
     cfg = replace(cfg, share_prefix=cfg.share_prefix and rows_model.shares_cache)
-
-    def score_spans(spans: list[Tensor]) -> list[Tensor]:
-        for sample, span in zip(samples, spans, strict=True):
-            sample.span = span
-        importance, _, batch_cost = batched_perturbation_importance(rows_model, samples, neutral_id, cfg, max_tokens)
-        if cost is not None:
-            cost.add(batch_cost)
-        return importance
-
-    if cfg.mode == "hierarchical":
-        from verl_oar.core.hierarchical import hierarchical_importance
-
-        importance, _ = hierarchical_importance(score_spans, reasoning_rows, cfg)
-    else:
-        importance = score_spans([
-            occlusion_spans(r, cfg.mode, cfg.budget, None if line_end is None else line_end[b, : r.numel()])
-            for b, r in enumerate(reasoning_rows)])
+    line_ends = None if line_end is None else [line_end[b, :length] for b, length in enumerate(lengths)]
+    importance, _, batch_cost = score_samples(rows_model, samples, reasoning_rows, neutral_id, cfg, max_tokens,
+                                              line_ends)
+    if cost is not None:
+        cost.add(batch_cost)
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     for b, (length, row) in enumerate(zip(lengths, importance, strict=True)):
         out[b, :length] = row

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
-from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans
+from verl_oar.core.batched_perturbation import Sample, score_samples
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
 from verl_oar.engines.inputs import LINE_END, PREDICT, REASONING, nested, rollout_temperature
 
 
@@ -61,26 +61,5 @@ def score_micro_batch(
     """
     samples, reasoning, line_end = micro_batch_samples(micro_batch)
     budget = token_budget if token_budget is not None else rows_budget * max(s.ids.numel() for s in samples)
-
-    def score(spans: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[PerturbationCost]]:
-        for sample, span in zip(samples, spans, strict=True):
-            sample.span = span
-        importance, costs, _ = batched_perturbation_importance(model, samples, neutral_id, pcfg, budget)
-        return importance, costs
-
-    if pcfg.mode == "hierarchical":
-        from verl_oar.core.hierarchical import hierarchical_importance
-
-        costs = [PerturbationCost() for _ in samples]
-
-        def score_spans(spans):
-            importance, round_costs = score(spans)
-            for total, c in zip(costs, round_costs, strict=True):
-                total.add(c)
-            return importance
-
-        importance, _ = hierarchical_importance(score_spans, reasoning, pcfg)
-    else:
-        spans = [occlusion_spans(r, pcfg.mode, pcfg.budget, le) for r, le in zip(reasoning, line_end, strict=True)]
-        importance, costs = score(spans)
+    importance, costs, _ = score_samples(model, samples, reasoning, neutral_id, pcfg, budget, line_end)
     return nested([x.cpu() for x in importance]), costs
