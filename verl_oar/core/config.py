@@ -80,6 +80,10 @@ class OARConfig:
     """OAR-P: tokens fed per model call (rows x longest new part, padded; cached prefixes up to 4x it); 0 = verl's
     log-prob budget (``log_prob_max_token_len_per_gpu`` with dynamic batch size, else
     ``log_prob_micro_batch_size_per_gpu`` x the micro-batch's longest sequence)"""
+    gather_params: bool = False
+    """FSDP2 with several ranks: gather the whole model once per importance pass (opt-in; a full ``param_dtype``
+    copy per GPU) instead of FSDP's own per-layer gathers in every model call, with the calls kept equal across
+    ranks (default: parameters stay sharded, see docs/reliability.md)"""
     importance_model: str = "actor"
     """which model scores importance: actor (the rollout/old policy, default) or ref"""
     seed: int = 0
@@ -136,6 +140,8 @@ class OARConfig:
             raise ValueError(
                 f"algorithm.oar.no_answer_action={self.no_answer_action!r} is invalid: 'error' (stop the run) or 'warn'."
             )
+        if not isinstance(self.gather_params, bool):
+            raise ValueError(f"algorithm.oar.gather_params={self.gather_params!r} is invalid: true or false.")
         if not isinstance(self.perturb_max_tokens, int) or self.perturb_max_tokens < 0:
             raise ValueError(
                 f"algorithm.oar.perturb_max_tokens={self.perturb_max_tokens!r} is invalid: tokens per OAR-P "
