@@ -56,7 +56,7 @@ def test_codapo_estimator_is_the_question_value_times_grpo():
 
     rewards, mask, index, g = _batch(1)
     old = -torch.rand(mask.shape, generator=g) * mask
-    signals = TokenSignals(tensors={"old_log_probs": old})
+    signals = TokenSignals(tensors={"old_log_probs": old, "rm_scores": rewards})
     with provide(signals):
         adv, _ = get_adv_estimator_fn("codapo")(rewards, mask, index, config={"codapo": {"weight_offset": 0.2}})
     value, _ = question_values(rewards.sum(1), old, mask, group_ids(list(index)), 0.2)
@@ -75,7 +75,7 @@ def test_compose_multiplies_any_token_estimators_advantages_by_the_value():
     rewards, mask, index, g = _batch(2)
     surrogate = torch.rand(mask.shape, generator=g) * mask
     old = -torch.rand(mask.shape, generator=g) * mask
-    tensors = {"acpo_surrogate": surrogate, "acpo_entropy": surrogate, "old_log_probs": old}
+    tensors = {"acpo_surrogate": surrogate, "acpo_entropy": surrogate, "old_log_probs": old, "rm_scores": rewards}
     with provide(TokenSignals(tensors=dict(tensors))):
         plain, _ = get_adv_estimator_fn("acpo")(rewards, mask, index, config={})
     signals = TokenSignals(tensors=dict(tensors))
@@ -114,8 +114,8 @@ def test_bad_configurations_stop_the_run_at_start_up_with_the_fix(estimator, ext
 @pytest.mark.parametrize("estimator, extra, providers", [
     ("acpo", [], ["acpo_surrogate"]),
     ("acpo", ["+algorithm.acpo.surrogate=sampled", "algorithm.rollout_correction.bypass_mode=True"], ["acpo_surrogate"]),
-    ("codapo", [], ["old_log_probs"]),
-    ("oar_g", ["+algorithm.codapo.compose=True"], ["token_importance", "old_log_probs"]),
+    ("codapo", [], ["old_log_probs", "verifier_scores"]),
+    ("oar_g", ["+algorithm.codapo.compose=True"], ["token_importance", "old_log_probs", "verifier_scores"]),
     ("grpo", [], []),
 ])
 def test_good_configurations_get_their_signals(estimator, extra, providers):

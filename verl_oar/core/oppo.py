@@ -73,7 +73,8 @@ class OPPOConfig:
     scale: str = "none"
     """[GUESS] ``none`` (Dr.GRPO-like) or ``group_std`` (divide by the group's reward std, as GRPO)"""
     zero_uniform_groups: bool = True
-    """a group whose rewards are all equal gets advantage 0, as in GRPO"""
+    """a group whose rewards are all equal gets advantage 0, as in GRPO (required with ``scale=group_std``: such a
+    group's std is 0)"""
     template: str = OPPO_ORACLE
     """[GUESS: wording] the oracle prompt's user turn, with ``{question}`` and ``{answer}`` (``core.privileged_prompt``)"""
     overflow: str = "truncate"
@@ -99,6 +100,12 @@ class OPPOConfig:
             raise ValueError(f"algorithm.oppo.overflow={self.overflow!r} is invalid: one of {OVERFLOWS}.")
         if not isinstance(self.zero_uniform_groups, bool):
             raise ValueError(f"algorithm.oppo.zero_uniform_groups={self.zero_uniform_groups!r} is invalid: true or false.")
+        if self.scale == "group_std" and not self.zero_uniform_groups:
+            raise ValueError("algorithm.oppo.scale=group_std with algorithm.oppo.zero_uniform_groups=false divides the "
+                             "advantages of a group whose rewards are all equal (std 0) by 1e-6: a prior-to-reward gap of "
+                             "1e-3 (prior_eps) becomes a credit of about 1000 per response. Set "
+                             "+algorithm.oppo.zero_uniform_groups=true (GRPO's choice: such groups get 0), or "
+                             "+algorithm.oppo.scale=none.")
         teacher = dict((self.teacher or {}).items())
         object.__setattr__(self, "teacher", teacher or None)
         unknown = sorted(set(teacher) - set(TEACHER_KEYS))
@@ -172,8 +179,10 @@ def oppo_advantages(evidence: Tensor, rewards: Tensor, groups: Tensor, mask: Ten
     r = rewards.double()
     if not torch.isfinite(r).all() or ((r < 0) | (r > 1)).any():
         bad = r[~torch.isfinite(r) | (r < 0) | (r > 1)][:3].tolist()
-        raise ValueError(f"OPPO reads a response's reward as its success probability, in [0, 1]; got {bad}. "
-                         "Use a 0/1 verifier reward (or rescale the reward function's scores into [0, 1]).")
+        raise ValueError(f"OPPO reads a response's reward as its success probability, in [0, 1]; got {bad} (the "
+                         "first three). The reward function scores outside [0, 1] (e.g. verl's math_dapo scores a wrong "
+                         "answer -1, a length penalty is negative): use a 0/1 verifier, or a custom reward function "
+                         "(reward.custom_reward_function.path) whose scores are in [0, 1].")
     e = evidence.double()
     if not torch.isfinite(e[valid]).all():
         raise ValueError("OPPO: the oracle evidence is not finite on a response token (NaN or inf log-probs "

@@ -5,7 +5,10 @@ value (``core.codapo``) times GRPO's advantage, or times another estimator's tok
 verl extension points: ``verl.trainer.ppo.core_algos.register_adv_est`` (via ``signals.register_token_estimator``)
 and the plugin's composer hook (``signals.register_advantage_composer``), which applies the value to the
 advantages of ``oar_g``, ``oar_p``, ``cscr``, ``oppo`` and ``acpo`` after they are computed. The confidence
-reads verl's ``old_log_probs`` (``log_prob_signal``). CoDaSampling, the batch's second use, is
+reads verl's ``old_log_probs`` (``log_prob_signal``), the accuracy the verifier's score (``rm_scores``,
+``reward_signal``), never ``token_level_rewards``: with ``algorithm.use_kl_in_reward=true`` those carry the KL
+penalty on every token and no response would count as right (every value would be ``weight_offset``). The GRPO
+advantage that the value scales is verl's, from ``token_level_rewards`` (KL included, as in verl's GRPO). CoDaSampling, the batch's second use, is
 ``codapo_sampling`` (a trainer mixin).
 
 How value and token credit interact: the value ``v_q >= weight_offset >= 0`` is one number per question, so
@@ -23,6 +26,7 @@ import torch
 from verl_oar.core.codapo import CoDaPOConfig, question_values
 from verl_oar.core.oppo import group_ids
 from verl_oar.integration import log_prob_signal  # noqa: F401  (registers the old_log_probs provider)
+from verl_oar.integration.reward_signal import verifier_rewards
 from verl_oar.integration.estimators import grpo_advantage
 from verl_oar.integration.signals import keyword_signals, register_advantage_composer, register_token_estimator
 
@@ -37,7 +41,7 @@ def question_value(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
                    ) -> torch.Tensor:
     """(bs,) float32 v_q of every row's question; logs ``codapo/*`` and keeps ``codapo_value`` for dumps."""
     cfg = CoDaPOConfig.from_algorithm(config)
-    rewards = token_level_rewards.sum(dim=-1)
+    rewards = verifier_rewards(signals, response_mask)  # not token_level_rewards: KL-free, so a right answer is 1.0
     value, parts = question_values(rewards, signals["old_log_probs"], response_mask, _groups(index, signals),
                                    cfg.weight_offset)
     rows = signals.real_rows if signals.real_rows is not None else slice(None)
@@ -52,7 +56,7 @@ def question_value(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     return value.float()
 
 
-@register_token_estimator("codapo", needs=("old_log_probs",))
+@register_token_estimator("codapo", needs=("old_log_probs", "verifier_scores"))
 def compute_codapo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
                              config=None, epsilon: float = 1e-6, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``codapo``: A_{i,t} = v_q * A^GRPO_i (the authors' ``compute_codapo_advantage``). Returns (advantages,
@@ -73,7 +77,7 @@ def composing(algorithm) -> bool:
     return bool(node.get("compose", False))
 
 
-@register_advantage_composer("codapo", active=composing, needs=("old_log_probs",))
+@register_advantage_composer("codapo", active=composing, needs=("old_log_probs", "verifier_scores"))
 def compose_question_value(estimator: str, advantages: torch.Tensor, token_level_rewards: torch.Tensor,
                            response_mask: torch.Tensor, index, config, signals) -> torch.Tensor:
     """The inner estimator's (bs, response_len) advantages times its rows' question values."""

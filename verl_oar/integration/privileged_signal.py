@@ -251,7 +251,7 @@ def _scored_rows(result: Rescored, like: list[torch.Tensor]) -> list[torch.Tenso
 
 def validate_privileged(config) -> None:
     """Start-up checks shared by CSCR and OPPO: their keys, and a trainer that can re-score."""
-    from verl_oar.integration.validate import estimator_name
+    from verl_oar.integration.validate import estimator_name, validate_success_probability_reward
 
     name = estimator_name(config)
     (CSCRConfig if name == "cscr" else OPPOConfig).from_algorithm(config.algorithm)
@@ -264,6 +264,7 @@ def validate_privileged(config) -> None:
                          "verl's log-prob pass; actor_rollout_ref.model.use_fused_kernels=True is not supported here. "
                          "Set actor_rollout_ref.model.use_fused_kernels=False.")
     if name == "oppo":
+        validate_success_probability_reward(config, name)
         path = OPPOConfig.from_algorithm(config.algorithm).teacher_path
         if path is not None:
             check_teacher(config, path)

@@ -86,6 +86,47 @@ def validate_codapo(config, token_level: bool) -> None:
                          "Leave data.gen_batch_size unset, or set +algorithm.codapo.sampling=false.")
 
 
+def bypass_mode(config) -> bool:
+    """verl's rollout-correction bypass mode (``algorithm.rollout_correction.bypass_mode=true``): verl skips its
+    old-log-prob pass and sets ``old_log_probs`` to the rollout engine's log-probs."""
+    corr = config.algorithm.get("rollout_correction", None)
+    return bool(corr and corr.get("bypass_mode", False))
+
+
+def validate_success_probability_reward(config, name: str) -> None:
+    """Start-up refusals for an estimator that reads each response's reward as a success probability in [0, 1]
+    (OPPO): a reward that verl's config already says is not one. What the config cannot tell (a custom reward
+    function, a data source scored -1/1 such as verl's ``math_dapo``) is checked on every batch
+    (``core.oppo.oppo_advantages``)."""
+    if config.algorithm.get("use_kl_in_reward", False):
+        raise ValueError(
+            f"algorithm.adv_estimator={name} reads each response's reward as its success probability in [0, 1]; "
+            "algorithm.use_kl_in_reward=true subtracts the KL penalty from every token's reward (verl's "
+            "apply_kl_penalty), so no reward is 0 or 1 and the run would stop at its first batch. Keep the KL term "
+            "in the loss instead: algorithm.use_kl_in_reward=false actor_rollout_ref.actor.use_kl_loss=true."
+        )
+    reward = config.get("reward", None) or {}
+    model = reward.get("reward_model", None) or {}
+    function = reward.get("custom_reward_function", None) or {}
+    if model.get("enable", False) and not function.get("path", None):
+        raise ValueError(
+            f"algorithm.adv_estimator={name} reads each response's reward as its success probability in [0, 1]; "
+            "reward.reward_model.enable=true without a custom reward function scores responses with the reward "
+            "model's raw output (verl's reward loop: a discriminative model's logit, unbounded). Use a verifier "
+            "(reward.reward_model.enable=false, verl's rule-based scoring or reward.custom_reward_function.path), or "
+            "a custom reward function that maps the reward model's score into [0, 1]."
+        )
+    manager = (reward.get("reward_manager", None) or {}).get("name", None)
+    overlong = ((reward.get("reward_kwargs", None) or {}).get("overlong_buffer_cfg", None) or {})
+    if manager == "dapo" and overlong.get("enable", False):
+        raise ValueError(
+            f"algorithm.adv_estimator={name} reads each response's reward as its success probability in [0, 1]; "
+            "verl's dapo reward manager with reward.reward_kwargs.overlong_buffer_cfg.enable=true adds a negative "
+            "length penalty to it. Set reward.reward_kwargs.overlong_buffer_cfg.enable=false (or "
+            "reward.reward_manager.name=naive)."
+        )
+
+
 def validate_importance_config(config) -> None:
     """Start-up checks: raise with the cause and the fix before any worker is built."""
     oar = OARConfig.from_algorithm(config.algorithm)
