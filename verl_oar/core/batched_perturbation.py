@@ -22,12 +22,19 @@ one clean row and one full copy per span, still batched across samples.
 Only the positions that predict an answer token are read, so each row asks for its last ``keep`` logits. A
 span that starts after the first predicting position starts its copy there instead (clean tokens recomputed,
 rare: reasoning precedes the answer). No gradient is computed; the model is not modified.
+
+Memory is one call's, not one per copy: each call's logits are reduced before the next call starts (a clean row
+to its sample's outcome statistic, a copy to its one divergence), so the live logits are at most one call's
+(rows x keep <= ``max_tokens`` positions x V, what verl's log-prob pass of the same budget holds); a copy's
+occluded ids and cache prefix are built only for its call, and a sample's clean statistic and cache are dropped
+after its last copy. Exact mode on a 4k-token response (~2,500 copies) thus needs no more logits memory than
+chunk mode.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -182,29 +189,40 @@ def _plan(sample: Sample) -> _Plan | None:
 
 
 def _run(model: RowsModel, rows: list[Row], max_tokens: int, cost: PerturbationCost,
-         sample_costs: list[PerturbationCost], owners: list[list[int]]) -> tuple[list, list]:
-    """Run ``rows`` in planned calls; ``owners[i]``: the samples row i's tokens are charged to (shared evenly)."""
-    logits: list = [None] * len(rows)
+         sample_costs: list[PerturbationCost], owners: list[list[int]],
+         reduce: Callable[[list[int], list[Tensor | None]], None] | None = None,
+         build: Callable[[int], Row] | None = None) -> list:
+    """Run ``rows`` in planned calls and return each row's cache (None unless it asked for one).
+
+    ``owners[i]``: the samples row i's tokens are charged to (shared evenly). ``reduce(call, logits)`` gets each
+    call's row indices and their (keep, V) logits right after the call, and nothing else keeps them: no logits
+    tensor outlives its call. ``build(i)``: the row actually fed for ``rows[i]`` (same lengths; ``rows`` are only
+    planned), so a copy's occluded ids and prefix exist only while its call runs."""
     caches: list = [None] * len(rows)
     for call in plan_calls(rows, max_tokens):
-        batch = [rows[i] for i in call]
-        out_logits, out_caches = model(batch)
+        batch = [build(i) if build is not None else rows[i] for i in call]
+        logits, new_caches = model(batch)
+        if reduce is not None:
+            reduce(call, logits)
+        del logits  # before the next call: this call's logits are reduced
         padded = call_tokens(batch)
         cost.add(PerturbationCost(forwards=1, tokens=sum(r.ids.numel() for r in batch), peak_call_tokens=padded))
+        del batch
         touched = set()
-        for i, lg, ch in zip(call, out_logits, out_caches, strict=True):
-            logits[i], caches[i] = lg, ch
+        for i, ch in zip(call, new_caches, strict=True):
+            caches[i] = ch
             for s in owners[i]:
                 sample_costs[s].tokens += rows[i].ids.numel() / len(owners[i])
                 touched.add(s)
         for s in touched:
             sample_costs[s].forwards += 1
             sample_costs[s].peak_call_tokens = max(sample_costs[s].peak_call_tokens, padded)
-    return logits, caches
+    return caches
 
 
 def _outcomes(logits: list[Tensor], plans: list[_Plan], samples: list[Sample], which: list[int], outcome: str):
-    """Outcome statistic of each row (its logits at its sample's predicting positions), batched."""
+    """Outcome statistic of each row (its logits at its sample's predicting positions), batched: (rows, V) log
+    P_final, or (rows,) phi for "joint" (``outcome_statistic``); row j belongs to sample ``which[j]``."""
     rows, targets, segment = [], [], []
     for j, (lg, s) in enumerate(zip(logits, which, strict=True)):
         plan = plans[s]
@@ -223,6 +241,11 @@ def batched_perturbation_importance(
     max_tokens: int,
 ) -> tuple[list[Tensor], list[PerturbationCost], PerturbationCost]:
     """OAR-P importance of every sample, copies of different samples sharing model calls (module docstring).
+
+    Memory: each call's logits are reduced before the next call (clean rows to their sample's outcome
+    statistic, copies to one divergence each), so live logits never exceed one call's, (rows, keep, V) with
+    rows x keep <= ``max_tokens``, whatever the number of copies; beyond that only each sample's clean statistic
+    ((V,) float32, kept until its last copy is scored) and its clean KV cache (likewise) are held.
 
     Args:
         model: a :class:`RowsModel`; with ``cfg.share_prefix`` and ``model.shares_cache`` caches are reused.
@@ -265,9 +288,9 @@ def batched_perturbation_importance(
                     prompt_owners.append([])
                 prompt_of[i] = seen[key]
                 prompt_owners[seen[key]].append(i)
-        _, prompt_caches = _run(model, prompt_rows, max_tokens, cost, sample_costs, prompt_owners)
+        prompt_caches = _run(model, prompt_rows, max_tokens, cost, sample_costs, prompt_owners)
 
-        # 2. clean rows, continuing the prompt's cache
+        # 2. clean rows, continuing the prompt's cache; each call reduced to its samples' outcome statistics
         clean_rows = []
         for i in live:
             s, plan = samples[i], plans[i]
@@ -275,34 +298,54 @@ def batched_perturbation_importance(
             past = prompt_caches[prompt_of[i]] if i in prompt_of else None
             clean_rows.append(Row(s.ids[cut : plan.end], s.positions[cut : plan.end], past=past, past_len=cut,
                                   keep=plan.end - int(plan.keep[0]), cache=share))
-        clean_logits, clean_caches = _run(model, clean_rows, max_tokens, cost, sample_costs, [[i] for i in live])
-        clean = dict(zip(live, _outcomes(clean_logits, plans, samples, live, cfg.outcome).unbind(0), strict=True))
-        del prompt_caches
+        clean: dict[int, Tensor] = {}  # sample -> (V,) log P_final or () phi
 
-        # 3. copies: from the span's first position on, continuing the clean cache
+        def keep_clean(call: list[int], logits: list[Tensor | None]) -> None:
+            which = [live[j] for j in call]
+            for i, stat in zip(which, _outcomes(logits, plans, samples, which, cfg.outcome).unbind(0), strict=True):
+                clean[i] = stat.clone()  # its own storage: freed with its sample, not with its call's
+
+        caches = _run(model, clean_rows, max_tokens, cost, sample_costs, [[i] for i in live], keep_clean)
+        clean_cache = dict(zip(live, caches, strict=True))
+        del prompt_caches, clean_rows, caches
+
+        # 3. copies: from the span's first position on, continuing the clean cache; planned as views, occluded
+        # ids and cache prefix built only for the call that runs them, each call reduced to one divergence a copy
         copy_rows, copy_of = [], []
-        for i, clean_cache in zip(live, clean_caches, strict=True):
+        remaining = dict.fromkeys(live, 0)
+        for i in live:
             s, plan = samples[i], plans[i]
             for span_id, start in zip(plan.spans, plan.starts, strict=True):
                 p0 = start if share else 0
-                ids = s.ids[p0 : plan.end].clone()
-                ids[s.span[p0 : plan.end] == span_id] = neutral_id
-                past = model.prefix(clean_cache, p0) if share and p0 > 0 else None
-                copy_rows.append(Row(ids, s.positions[p0 : plan.end], past=past, past_len=p0 if share else 0,
+                copy_rows.append(Row(s.ids[p0 : plan.end], s.positions[p0 : plan.end], past_len=p0,
                                      keep=plan.end - int(plan.keep[0])))
                 copy_of.append((i, span_id))
             sample_costs[i].copies += len(plan.spans)
+            remaining[i] = len(plan.spans)
+            if not plan.spans:
+                del clean[i], clean_cache[i]
         cost.copies = len(copy_rows)
-        del clean_caches
-        if not copy_rows:
-            return out, sample_costs, cost
-        copy_logits, _ = _run(model, copy_rows, max_tokens, cost, sample_costs, [[i] for i, _ in copy_of])
-        owners = [i for i, _ in copy_of]
-        perturbed = _outcomes(copy_logits, plans, samples, owners, cfg.outcome)
-        reference = torch.stack([clean[i] for i in owners])
-        divergence = outcome_divergence(reference, perturbed, cfg.outcome).float()
-        for (i, span_id), d in zip(copy_of, divergence.tolist(), strict=True):
-            out[i][samples[i].span == span_id] = d
+
+        def build(j: int) -> Row:
+            (i, span_id), planned = copy_of[j], copy_rows[j]
+            p0, s = planned.past_len, samples[i]
+            ids = planned.ids.clone()
+            ids[s.span[p0 : p0 + ids.numel()] == span_id] = neutral_id
+            past = model.prefix(clean_cache[i], p0) if p0 > 0 else None
+            return Row(ids, planned.positions, past=past, past_len=p0, keep=planned.keep)
+
+        def score(call: list[int], logits: list[Tensor | None]) -> None:
+            owners = [copy_of[j][0] for j in call]
+            perturbed = _outcomes(logits, plans, samples, owners, cfg.outcome)
+            reference = torch.stack([clean[i] for i in owners])
+            divergence = outcome_divergence(reference, perturbed, cfg.outcome).float()
+            for (i, span_id), d in zip((copy_of[j] for j in call), divergence.tolist(), strict=True):
+                out[i][samples[i].span == span_id] = d
+                remaining[i] -= 1
+                if not remaining[i]:  # its last copy: its clean cache and statistic are no longer needed
+                    del clean[i], clean_cache[i]
+
+        _run(model, copy_rows, max_tokens, cost, sample_costs, [[i] for i, _ in copy_of], score, build)
     return out, sample_costs, cost
 
 
