@@ -139,3 +139,58 @@ def test_oppo_group_std_scale_without_zeroing_uniform_groups_is_refused_naming_b
         _startup("oppo", "+algorithm.oppo.scale=group_std", "+algorithm.oppo.zero_uniform_groups=false")
     OPPOConfig(scale="group_std")  # with zeroing (the default), and either key alone, are fine
     OPPOConfig(zero_uniform_groups=False)
+
+
+# --- 5. a row the privileged pass could not score keeps broadcast credit of its own sequence quantity ----------
+
+
+@pytest.mark.parametrize("scale", ["none", "group_std"])
+def test_an_unscored_oppo_row_keeps_its_r_minus_v0_spread_evenly_and_is_counted(scale):
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    from verl_oar.core.oppo import OPPOConfig, group_ids, oppo_advantages
+    from verl_oar.integration.signals import TokenSignals, provide
+
+    scores, mask, index, g = _batch(6)
+    evidence = torch.randn(mask.shape, generator=g) * mask
+    scored = torch.ones_like(mask, dtype=torch.long)
+    skipped = [0, 1, 7]  # rows 0 and 1: both outcomes of group u0
+    scored[skipped] = 0
+    signals = TokenSignals(tensors={"oppo_evidence": evidence, "oppo_scored": scored})
+    with provide(signals):
+        adv, _ = get_adv_estimator_fn("oppo")(scores, mask, index, config={"oppo": {"scale": scale}})
+    r = scores.sum(1).double()
+    groups = group_ids(list(index))
+    full = oppo_advantages(evidence, scores.sum(1), groups, mask, OPPOConfig(scale=scale))  # every row scored
+    for row in range(len(mask)):
+        mates = r[groups == groups[row]]
+        if row not in skipped:  # the other rows are as if every row had been scored (the prior reads all rewards)
+            torch.testing.assert_close(adv[row], full.advantages[row])
+            continue
+        prior = float(mates.mean().clamp(1e-3, 1 - 1e-3))
+        length = float(mask[row].sum())
+        std = float(mates.std()) if scale == "group_std" else None
+        want = 0.0 if bool((mates == mates[0]).all()) else (float(r[row]) - prior) / length / (1 if std is None else std + 1e-6)
+        torch.testing.assert_close(adv[row], (want * mask[row]).float(), atol=1e-6, rtol=1e-5)
+        assert adv[row].sum().abs() > 0 or want == 0.0
+    assert signals.metrics["oppo/broadcast_rows"] == 3 and signals.metrics["oppo/frac_rows_scored"] == 9 / 12
+    assert signals.metrics["oppo/sign_violations"] == 0
+
+
+def test_an_unscored_cscr_row_keeps_grpos_uniform_credit_and_is_counted():
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    from verl_oar.integration.estimators import grpo_advantage
+    from verl_oar.integration.signals import TokenSignals, provide
+
+    scores, mask, index, g = _batch(7)
+    pos, neg = torch.randn(mask.shape, generator=g) * mask, torch.randn(mask.shape, generator=g) * mask
+    scored = torch.ones_like(mask, dtype=torch.long)
+    scored[[0, 5]] = 0
+    signals = TokenSignals(tensors={"cscr_pos_shift": pos, "cscr_neg_shift": neg, "cscr_scored": scored})
+    with provide(signals):
+        adv, _ = get_adv_estimator_fn("cscr")(scores, mask, index, config={})
+    grpo = grpo_advantage(scores, mask, index, 1e-6, True)
+    torch.testing.assert_close(adv[[0, 5]], grpo[[0, 5]])
+    assert signals.metrics["cscr/broadcast_rows"] == 2 and signals.metrics["cscr/budget_error"] < 1e-5
+    torch.testing.assert_close(signals.artifacts["weights"][[0, 5]], mask[[0, 5]])

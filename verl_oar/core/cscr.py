@@ -14,8 +14,9 @@ Specification: ``../shared/METHODS.md`` section 4.2 (the paper's full text was n
 4. budget:       w~_t = w_t * T / sum_s w_s                      (mean 1 over the valid tokens)
 5. advantage:    A_t = A * w~_t                                  (w~ > 0: the verifier sets the sign)
 
-So ``sum_t A_t = T * A`` (GRPO's credit budget) and ``sign(A_t) = sign(A)`` on every valid token.
-Computed in float64, returned as float32.
+So ``sum_t A_t = T * A`` (GRPO's credit budget) and ``sign(A_t) = sign(A)`` on every valid token. A row the
+privileged pass could not score (``scored`` False) keeps GRPO's uniform credit ``A`` on every valid token (w~ = 1)
+and takes no part in the threshold. Computed in float64, returned as float32.
 """
 
 from __future__ import annotations
@@ -141,31 +142,43 @@ def attenuation_weights(sens: Tensor, mask: Tensor, tau: float, cfg: CSCRConfig)
 
 
 def cscr_advantages(sequence_advantages: Tensor, pos_shift: Tensor, neg_shift: Tensor, mask: Tensor,
-                    cfg: CSCRConfig) -> CSCRResult:
+                    cfg: CSCRConfig, scored: Tensor | None = None) -> CSCRResult:
     """CSCR's token advantages. ``sequence_advantages``: (bs,) GRPO's A per response; shifts and
-    ``mask``: (bs, T)."""
+    ``mask``: (bs, T); ``scored``: (bs,) bool, False on rows the privileged pass could not score (they keep
+    GRPO's uniform credit; None: every row was scored)."""
     if sequence_advantages.shape != mask.shape[:1]:
         raise ValueError(f"CSCR: sequence advantages {tuple(sequence_advantages.shape)} must be (bs,) for a "
                          f"(bs, T) = {tuple(mask.shape)} mask")
-    sens = sensitivity(pos_shift, neg_shift, mask, cfg.sensitivity)
-    tau = resolve_threshold(sens, mask, cfg)
-    w = attenuation_weights(sens, mask, tau, cfg)
+    if scored is not None and scored.shape != mask.shape[:1]:
+        raise ValueError(f"CSCR: scored {tuple(scored.shape)} must be (bs,) for a (bs, T) = {tuple(mask.shape)} mask")
+    response = mask.bool()
+    valid = response if scored is None else response & scored.bool()[:, None]
+    sens = sensitivity(pos_shift, neg_shift, valid, cfg.sensitivity)
+    tau = resolve_threshold(sens, valid, cfg)
+    w = attenuation_weights(sens, valid, tau, cfg)
+    if scored is not None:
+        w = torch.where(scored.bool()[:, None], w, response.double())
     adv = sequence_advantages.double()[:, None] * w
     return CSCRResult(advantages=adv.float(), weights=w.float(), sensitivity=sens.float(), threshold=tau)
 
 
-def cscr_stats(result: CSCRResult, sequence_advantages: Tensor, mask: Tensor) -> dict[str, float]:
-    """Per-step metrics (``cscr/...``): sensitivity, fraction attenuated, weights, the budget error
-    ``max |sum_t A_t - T A|`` and the sign violations (must be 0)."""
-    valid = mask.bool()
+def cscr_stats(result: CSCRResult, sequence_advantages: Tensor, mask: Tensor,
+               scored: Tensor | None = None) -> dict[str, float]:
+    """Per-step metrics (``cscr/...``): sensitivity, fraction attenuated and weights over the scored rows' tokens
+    (``scored`` (bs,) bool, None: all), the budget error ``max |sum_t A_t - T A|`` and the sign violations (must
+    be 0) over every valid token, and ``cscr/broadcast_rows``: rows that kept GRPO's credit, not scored."""
+    response = mask.bool()
+    rows = torch.ones(len(response), dtype=torch.bool) if scored is None else scored.bool()
+    valid = response & rows[:, None]
+    broadcast = {"cscr/broadcast_rows": float((response.any(-1) & ~rows).sum())}
     if not valid.any():
-        return {"cscr/valid_tokens": 0.0}
+        return {"cscr/valid_tokens": 0.0, **broadcast}
     s, w = result.sensitivity.double()[valid], result.weights.double()[valid]
-    count = valid.sum(-1).double()
+    count = response.sum(-1).double()
     budget = (result.advantages.double().sum(-1) - count * sequence_advantages.double()).abs().max()
-    sign = torch.sign(sequence_advantages.double())[:, None].expand_as(mask)[valid]
-    adv = result.advantages.double()[valid]
-    return {
+    sign = torch.sign(sequence_advantages.double())[:, None].expand_as(mask)[response]
+    adv = result.advantages.double()[response]
+    return {**broadcast,
         "cscr/sensitivity/mean": float(s.mean()),
         "cscr/sensitivity/max": float(s.max()),
         "cscr/threshold": float(result.threshold),  # finite: the batch has valid tokens

@@ -18,8 +18,9 @@ Specification: ``../shared/METHODS.md`` section 1.2 (no public code; every [GUES
                ``abs``: A_t <- d |A_t|;  ``none``
 8. scale:      ``group_std`` divides by (std of the group's rewards + 1e-6), as GRPO; ``none`` (default)
 
-Groups whose rewards are all equal get A = 0 (GRPO gives them 0; ``zero_uniform_groups``). Float64
-inside, float32 out.
+Groups whose rewards are all equal get A = 0 (GRPO gives them 0; ``zero_uniform_groups``). A row the oracle
+pass could not score (its prompt + response past the context with ``overflow=skip``) keeps broadcast credit of
+its own sequence total, ``(R - V_0) / T`` per token, before steps 7-8. Float64 inside, float32 out.
 """
 
 from __future__ import annotations
@@ -167,14 +168,25 @@ def _group_mean_std(values: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Ten
     return mean[groups], std[groups], (lo == hi)[groups]
 
 
-def oppo_advantages(evidence: Tensor, rewards: Tensor, groups: Tensor, mask: Tensor, cfg: OPPOConfig) -> OPPOResult:
+def oppo_advantages(evidence: Tensor, rewards: Tensor, groups: Tensor, mask: Tensor, cfg: OPPOConfig,
+                    scored: Tensor | None = None) -> OPPOResult:
     """OPPO's token advantages. ``evidence``: (bs, T) e_t in nats; ``rewards``: (bs,) R in [0, 1];
-    ``groups``: (bs,) group numbers (:func:`group_ids`); ``mask``: (bs, T)."""
+    ``groups``: (bs,) group numbers (:func:`group_ids`); ``mask``: (bs, T) valid tokens; ``scored``: (bs,) bool,
+    False on rows the oracle pass could not score (None: every row was scored).
+
+    A row that was not scored keeps broadcast credit of its own sequence total: ``A_t = (R - V_0) / T`` on each of
+    its ``T`` valid tokens (what the exact form with ``terminal=last_token`` sums to), then scaled and zeroed like
+    every other row (``scale``, ``zero_uniform_groups``); anchoring leaves it as it is. Its evidence is ignored and
+    its values stay at V_0. (CSCR's unscored rows keep GRPO's uniform credit likewise: ``core.cscr``.)"""
     bs, t = mask.shape
     if evidence.shape != mask.shape or rewards.shape != (bs,) or groups.shape != (bs,):
         raise ValueError(f"OPPO: evidence {tuple(evidence.shape)} and mask {tuple(mask.shape)} must be (bs, T), "
                          f"rewards {tuple(rewards.shape)} and groups {tuple(groups.shape)} (bs,)")
-    valid = mask.bool()
+    if scored is not None and scored.shape != (bs,):
+        raise ValueError(f"OPPO: scored {tuple(scored.shape)} must be (bs,) = ({bs},)")
+    response = mask.bool()
+    rows = torch.ones(bs, dtype=torch.bool) if scored is None else scored.bool()
+    valid = response & rows[:, None]          # the tokens the recursion runs over
     m = valid.double()
     r = rewards.double()
     if not torch.isfinite(r).all() or ((r < 0) | (r > 1)).any():
@@ -209,6 +221,9 @@ def oppo_advantages(evidence: Tensor, rewards: Tensor, groups: Tensor, mask: Ten
         last = (valid.long() * torch.arange(1, t + 1)).argmax(-1)  # the last valid position
         gap = (r - prior) - adv.sum(-1)
         adv[torch.arange(bs)[has], last[has]] += gap[has]
+    if scored is not None:
+        count = response.sum(-1, keepdim=True).clamp(min=1).double()
+        adv = torch.where(rows[:, None], adv, (r - prior)[:, None] * response.double() / count)
     direction = torch.sign(r - prior)[:, None]
     if cfg.anchor == "clamp":
         adv = direction * torch.clamp(direction * adv, min=0)
@@ -218,34 +233,44 @@ def oppo_advantages(evidence: Tensor, rewards: Tensor, groups: Tensor, mask: Ten
         adv = adv / (std[:, None] + STD_EPS)
     if cfg.zero_uniform_groups:
         adv = torch.where(uniform[:, None], torch.zeros_like(adv), adv)
-    return OPPOResult(advantages=(adv * m).float(), values=values.float(), prior=prior.float(), clipped=clipped,
-                      uniform=uniform)
+    return OPPOResult(advantages=(adv * response.double()).float(), values=values.float(), prior=prior.float(),
+                      clipped=clipped, uniform=uniform)
 
 
-def oppo_stats(result: OPPOResult, evidence: Tensor, rewards: Tensor, mask: Tensor) -> dict[str, float]:
-    """Per-step metrics (``oppo/...``): evidence, clipping, prior, terminal value, sign violations
-    (tokens whose advantage opposes the verifier's direction R - V_0 after anchoring; 0 unless
-    ``anchor=none``), advantage statistics."""
-    valid = mask.bool()
-    if not valid.any():
+def oppo_stats(result: OPPOResult, evidence: Tensor, rewards: Tensor, mask: Tensor,
+               scored: Tensor | None = None) -> dict[str, float]:
+    """Per-step metrics (``oppo/...``): evidence, clipping, prior and terminal value over the scored rows
+    (``scored`` (bs,) bool, None: all), sign violations (tokens whose advantage opposes the verifier's direction
+    R - V_0 after anchoring; 0 unless ``anchor=none``) and advantage statistics over every valid token, and
+    ``oppo/broadcast_rows``: rows that were not scored (broadcast credit, :func:`oppo_advantages`)."""
+    response = mask.bool()
+    if not response.any():
         return {"oppo/valid_tokens": 0.0}
-    e = evidence.double()[valid]
+    scored_rows = torch.ones(len(response), dtype=torch.bool) if scored is None else scored.bool()
+    valid = response & scored_rows[:, None]
     adv = result.advantages.double()
     direction = torch.sign(rewards.double() - result.prior.double())[:, None].expand_as(adv)
-    v_end = result.values.double()[:, -1]  # padding adds no evidence: V after the last valid token
-    rows = valid.any(-1)
-    return {
-        "oppo/evidence/mean": float(e.mean()),
-        "oppo/evidence/abs_mean": float(e.abs().mean()),
-        "oppo/evidence/max": float(e.max()),
-        "oppo/evidence/min": float(e.min()),
-        "oppo/frac_clipped": float(result.clipped[valid].double().mean()),
+    rows = response.any(-1)
+    out = {
         "oppo/prior/mean": float(result.prior.double()[rows].mean()),
-        "oppo/value_end/mean": float(v_end[rows].mean()),
-        "oppo/terminal_gap/abs_mean": float((rewards.double() - v_end)[rows].abs().mean()),
         "oppo/frac_uniform_groups": float(result.uniform.double().mean()),
-        "oppo/sign_violations": float(((adv * direction)[valid] < 0).sum()),
-        "oppo/advantage/abs_mean": float(adv[valid].abs().mean()),
+        "oppo/sign_violations": float(((adv * direction)[response] < 0).sum()),
+        "oppo/advantage/abs_mean": float(adv[response].abs().mean()),
         "oppo/advantage/seq_sum_mean": float(adv.sum(-1)[rows].mean()),
-        "oppo/valid_tokens": float(valid.sum()),
+        "oppo/valid_tokens": float(response.sum()),
+        "oppo/broadcast_rows": float((rows & ~scored_rows).sum()),
     }
+    if valid.any():
+        e = evidence.double()[valid]
+        v_end = result.values.double()[:, -1]  # padding adds no evidence: V after the last valid token
+        ends = valid.any(-1)
+        out.update({
+            "oppo/evidence/mean": float(e.mean()),
+            "oppo/evidence/abs_mean": float(e.abs().mean()),
+            "oppo/evidence/max": float(e.max()),
+            "oppo/evidence/min": float(e.min()),
+            "oppo/frac_clipped": float(result.clipped[valid].double().mean()),
+            "oppo/value_end/mean": float(v_end[ends].mean()),
+            "oppo/terminal_gap/abs_mean": float((rewards.double() - v_end)[ends].abs().mean()),
+        })
+    return out

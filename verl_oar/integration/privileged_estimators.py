@@ -34,8 +34,8 @@ def _rows(signals, tensor: torch.Tensor) -> torch.Tensor:
 def compute_cscr_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
                            config=None, epsilon: float = 1e-6, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``cscr``: GRPO's sequence advantage reallocated over tokens by counterfactual sensitivity
-    (``core.cscr``). Rows that were not re-scored keep GRPO's uniform credit. Returns (advantages,
-    returns), both (bs, response_len), 0 on padding."""
+    (``core.cscr``). Rows that were not re-scored keep GRPO's uniform credit (``cscr/broadcast_rows``). Returns
+    (advantages, returns), both (bs, response_len), 0 on padding."""
     signals = keyword_signals("cscr", response_mask, kwargs)
     _no_sessions("cscr", signals)
     cfg = CSCRConfig.from_algorithm(config)
@@ -44,17 +44,15 @@ def compute_cscr_advantage(token_level_rewards: torch.Tensor, response_mask: tor
     mask = response_mask.bool()
     sequence = sequence_values(grpo, mask)
     scored = signals["cscr_scored"].bool().any(1)
-    shift_mask = mask & scored[:, None]
-    result = cscr_advantages(sequence, signals["cscr_pos_shift"], signals["cscr_neg_shift"], shift_mask, cfg)
-    advantages = torch.where(scored[:, None], result.advantages, grpo) * response_mask
-    stats = cscr_stats(result, sequence, shift_mask) if signals.real_rows is None else cscr_stats(
+    result = cscr_advantages(sequence, signals["cscr_pos_shift"], signals["cscr_neg_shift"], mask, cfg, scored=scored)
+    advantages = result.advantages * response_mask
+    stats = cscr_stats(result, sequence, mask, scored) if signals.real_rows is None else cscr_stats(
         type(result)(advantages=_rows(signals, result.advantages), weights=_rows(signals, result.weights),
                      sensitivity=_rows(signals, result.sensitivity), threshold=result.threshold),
-        _rows(signals, sequence), _rows(signals, shift_mask))
+        _rows(signals, sequence), _rows(signals, mask), _rows(signals, scored))
     stats["cscr/frac_rows_scored"] = float(_rows(signals, scored).float().mean())
     signals.metrics.update(stats)
-    weights = torch.where(scored[:, None], result.weights, mask.float())
-    signals.artifacts.update(grpo_advantages=grpo, advantages=advantages, weights=weights,
+    signals.artifacts.update(grpo_advantages=grpo, advantages=advantages, weights=result.weights,
                              sensitivity=result.sensitivity)
     return advantages, advantages
 
@@ -62,8 +60,9 @@ def compute_cscr_advantage(token_level_rewards: torch.Tensor, response_mask: tor
 @register_token_estimator("oppo", needs=("oppo_evidence",))
 def compute_oppo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
                            config=None, epsilon: float = 1e-6, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``oppo`` (self-oracle): token advantages from the Bayesian value recursion over the oracle
-    evidence (``core.oppo``). Returns (advantages, returns), both (bs, response_len), 0 on padding."""
+    """``oppo``: token advantages from the Bayesian value recursion over the oracle evidence (``core.oppo``).
+    Rows that were not re-scored keep broadcast credit of their own R - V_0 (``oppo/broadcast_rows``). Returns
+    (advantages, returns), both (bs, response_len), 0 on padding."""
     signals = keyword_signals("oppo", response_mask, kwargs)
     _no_sessions("oppo", signals)
     cfg = OPPOConfig.from_algorithm(config)
@@ -71,15 +70,16 @@ def compute_oppo_advantage(token_level_rewards: torch.Tensor, response_mask: tor
     real = signals.real_rows
     # verl's synthetic padding rows copy a real row's uid: each gets a group of its own (no effect on the prior)
     groups = group_ids([key if real is None or bool(real[i]) else f"verl_oar_padding_{i}" for i, key in enumerate(index)])
-    mask = response_mask.bool() & signals["oppo_scored"].bool()
+    mask = response_mask.bool()
+    scored = signals["oppo_scored"].bool().any(1)
     evidence = signals["oppo_evidence"]
-    result = oppo_advantages(evidence, rewards, groups, mask, cfg)
+    result = oppo_advantages(evidence, rewards, groups, mask, cfg, scored=scored)
     advantages = result.advantages * response_mask
-    stats = oppo_stats(result, evidence, rewards, mask) if real is None else oppo_stats(
+    stats = oppo_stats(result, evidence, rewards, mask, scored) if real is None else oppo_stats(
         type(result)(advantages=result.advantages[real], values=result.values[real], prior=result.prior[real],
                      clipped=result.clipped[real], uniform=result.uniform[real]),
-        evidence[real], rewards[real], mask[real])
-    stats["oppo/frac_rows_scored"] = float(_rows(signals, signals["oppo_scored"].bool().any(1)).float().mean())
+        evidence[real], rewards[real], mask[real], scored[real])
+    stats["oppo/frac_rows_scored"] = float(_rows(signals, scored).float().mean())
     signals.metrics.update(stats)
     grpo = grpo_advantage(token_level_rewards, response_mask, index, epsilon,
                           bool((config or {}).get("norm_adv_by_std_in_grpo", True)))
