@@ -185,6 +185,7 @@ def test_run_overrides_compose_validate_and_differ_only_where_they_should(tiny_b
     assert grpo["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == settings.mini_batch_size * settings.n
     assert grpo["actor_rollout_ref.rollout.val_kwargs.do_sample"] is False
     assert configs["oar_p", 0]["algorithm.oar.perturb_token_id"] == 32
+    # the testbed's small models score every token (the paper's OAR-P), not the plugin's default chunk K=16
     assert configs["oar_p", 0]["algorithm.oar.perturb_mode"] == "exact"
     assert configs["oar_g", 0]["algorithm.oar.dump_dir"] == str(tmp_path / "dumps")
     assert configs["cscr", 0]["algorithm.oar.dump_dir"] == configs["oppo", 0]["algorithm.oar.dump_dir"] == str(tmp_path / "dumps")

@@ -85,6 +85,11 @@ def test_recipe_mirrors_deepseek_r1_style_grpo_as_verl_runs_it(name):
         assert actor.megatron.tensor_model_parallel_size == (2 if model == "7b" else 1)
     if c.algorithm.adv_estimator in ("oar_g", "oar_p"):
         assert c.algorithm.oar.tau == 0.5 and c.algorithm.oar.outcome == "mean"  # the paper's best
+        from verl_oar.core.config import OARConfig
+
+        # OAR-P: chunk mode, K=16, the plugin's own default too (a run without the recipe gets the same)
+        assert (c.algorithm.oar.perturb_mode, c.algorithm.oar.perturb_budget) == ("chunk", 16)
+        assert (OARConfig().perturb_mode, OARConfig().perturb_budget) == ("chunk", 16)
     if c.algorithm.adv_estimator in ("cscr", "oppo", "acpo", "codapo"):  # the shared YAML: every key at its default
         from verl_oar.core.acpo import ACPOConfig
         from verl_oar.core.codapo import CoDaPOConfig

@@ -62,10 +62,11 @@ class OARConfig:
     """scale each token's noise by its own embedding's RMS (``noise_std`` is a noise-to-signal ratio,
     the same perturbation on any model and in bf16); the default was chosen by measuring bf16 vs fp32
     importance, see docs/configuration.md"""
-    perturb_mode: str = "exact"
-    """OAR-P occlusion unit: exact (each reasoning token: the paper's OAR-P), chunk (at most
-    ``perturb_budget`` contiguous chunks per response) or line (reasoning steps split at line breaks,
-    merged into at most ``perturb_budget`` groups); every token of a span gets the span's importance"""
+    perturb_mode: str = "chunk"
+    """OAR-P occlusion unit: chunk (default: at most ``perturb_budget`` contiguous chunks per response, so K
+    copies whatever the length), exact (each reasoning token: the paper's OAR-P, one copy per token; for analysis
+    and small models), line (reasoning steps split at line breaks, merged into at most ``perturb_budget`` groups)
+    or hierarchical (chunks, then the top ones refined); every token of a span gets the span's importance"""
     perturb_budget: int = 16
     """OAR-P: K, the most occluded copies per response in chunk and line modes (cost grows with K,
     not with the response length)"""
