@@ -194,3 +194,212 @@ def test_an_unscored_cscr_row_keeps_grpos_uniform_credit_and_is_counted():
     torch.testing.assert_close(adv[[0, 5]], grpo[[0, 5]])
     assert signals.metrics["cscr/broadcast_rows"] == 2 and signals.metrics["cscr/budget_error"] < 1e-5
     torch.testing.assert_close(signals.artifacts["weights"][[0, 5]], mask[[0, 5]])
+
+
+# --- the privileged pass on an in-memory TransferQueue, scored by a tiny Qwen2 (findings 1 and 6) ---------------
+
+TEMPERATURE = 0.7
+SYSTEM = "You are a careful math tutor."
+QUESTIONS = ["What is 2+3?", "Tom has 3 apples and eats one. How many are left?", "What is 7*6?", "Is 9 prime?"]
+ANSWERS = ["5", "2", "42", "no, since 9 = 3 x 3"]
+
+
+class _Store:
+    """An in-memory stand-in of TransferQueue's kv interface (put / get / clear by key and partition), holding each
+    row's fields as verl's nested layout does (1-D tensors per row, python objects for non-tensor fields)."""
+
+    def __init__(self):
+        self.data: dict[str, dict[str, dict]] = {}
+
+    def kv_batch_put(self, keys, partition_id, fields=None, tags=None):
+        part = self.data.setdefault(partition_id, {})
+        for name in fields.keys():
+            value = fields[name]
+            rows = list(value.unbind()) if isinstance(value, torch.Tensor) else list(value)
+            for key, row in zip(keys, rows, strict=True):
+                part.setdefault(key, {})[name] = row
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        part = self.data[partition_id]
+        out = {}
+        for name in select_fields:
+            rows = [part[key][name] for key in keys]
+            out[name] = torch.nested.as_nested_tensor(rows, layout=torch.jagged) if torch.is_tensor(rows[0]) else rows
+        return out
+
+    def kv_clear(self, keys, partition_id):
+        for key in keys:
+            self.data.get(partition_id, {}).pop(key, None)
+
+
+def _response_log_probs(model, prompt, response):
+    """log pi(response_t | prompt, response_<t) at the rollout temperature, float64: the plain reference."""
+    ids = torch.cat([torch.as_tensor(prompt), torch.as_tensor(response)])[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0].double() / TEMPERATURE
+    return torch.log_softmax(logits[len(prompt) - 1: -1], -1).gather(-1, torch.as_tensor(response)[:, None])[:, 0]
+
+
+class _Worker:
+    """verl's ``compute_log_prob`` worker call over the store: each row's log-probs over its whole sequence, as the
+    engine writes them (position t predicts token t + 1; the last is padding), by the tiny Qwen2."""
+
+    def __init__(self, store, model):
+        self.store, self.model, self.calls = store, model, 0
+
+    def compute_log_prob(self, meta):
+        assert meta.extra_info["temperature"] == TEMPERATURE and not meta.extra_info["compute_loss"]
+        self.calls += 1
+        rows = self.store.data[meta.partition_id]
+        for key in meta.keys:
+            row = rows[key]
+            lp = _response_log_probs(self.model, row["input_ids"][:1], row["input_ids"][1:])
+            row["log_probs"] = torch.cat([lp, torch.zeros(1, dtype=lp.dtype)]).float()
+        return meta
+
+
+@pytest.fixture(scope="module")
+def chat():
+    """(tokenizer with ChatML, verl's rollout token builder for it, a tiny float64 Qwen2 over its vocabulary)."""
+    from _tiny_models import tiny_qwen2
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+    from verl_oar.cpu.workspace import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    builder = create_continuous_token_builder(tokenizer, hf_model_type="qwen2", chat_template_kwargs={})
+    return tokenizer, builder, tiny_qwen2(vocab=len(tokenizer))
+
+
+def _privileged_pass(monkeypatch, chat, estimator, bypass, limit=10_000, seed=0):
+    """Run ``estimator``'s signal provider (verl_oar.integration.privileged_signal) on four rows of a batch in the
+    store; old_log_probs are the plain prompt's log-probs plus a rollout-engine mismatch (N(0, 0.05) per token).
+    Returns (store, batch, metrics, plain log-probs, messages, responses, worker)."""
+    import transfer_queue
+    from omegaconf import OmegaConf
+    from transfer_queue import KVBatchMeta
+
+    from verl_oar.integration import privileged_signal
+
+    tokenizer, builder, model = chat
+    store = _Store()
+    for name in ("kv_batch_put", "kv_batch_get", "kv_clear"):
+        monkeypatch.setattr(transfer_queue, name, getattr(store, name))
+    g = torch.Generator().manual_seed(seed)
+    questions, answers = QUESTIONS, ANSWERS
+    messages = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
+    responses = [torch.tensor(tokenizer.encode(f"So it is \\boxed{{{a}}}.", add_special_tokens=False)
+                              + [tokenizer.eos_token_id]) for a in answers]
+    prompts = [torch.tensor(builder.build_initial_tokens(m)) for m in messages]
+    plain = [_response_log_probs(model, p, r) for p, r in zip(prompts, responses)]
+    old = [(lp + 0.05 * torch.randn(lp.shape, generator=g, dtype=lp.dtype)).float() for lp in plain]
+    keys = [f"u{i}_0_0" for i in range(len(questions))]
+    store.kv_batch_put(keys, "train", {
+        "raw_prompt": messages, "prompts": prompts, "responses": responses,
+        "response_mask": [torch.ones_like(r) for r in responses], "old_log_probs": old,
+        "reward_model": [{"ground_truth": a} for a in answers]})
+    worker = _Worker(store, model)
+
+    class Trainer:
+        config = OmegaConf.create({"algorithm": {"adv_estimator": estimator,
+                                                 "rollout_correction": {"bypass_mode": bypass}},
+                                   "actor_rollout_ref": {"rollout": {"temperature": TEMPERATURE}}})
+        actor_rollout_wg = worker
+        _verl_oar_model_facts = ("qwen2", limit)
+        _verl_oar_token_builder = builder
+
+        def _balance_batch(self, meta, metrics, logging_prefix):  # verl reorders rows across ranks: so do we
+            return KVBatchMeta(keys=meta.keys[::-1], tags=meta.tags[::-1], partition_id=meta.partition_id,
+                               extra_info=meta.extra_info)
+
+    batch = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id="train")
+    metrics: dict = {}
+    provider = {"cscr": privileged_signal.compute_cscr_shifts, "oppo": privileged_signal.compute_oppo_evidence}[estimator]
+    provider(Trainer(), batch, metrics)
+    assert not store.data.get(privileged_signal.PARTITION)  # the pass's partition is cleared
+    return store, batch, metrics, plain, messages, responses, worker
+
+
+@pytest.mark.parametrize("estimator", ["cscr", "oppo"])
+def test_bypass_mode_takes_the_shift_against_the_plain_prompt_rescored_in_the_same_pass(monkeypatch, chat, estimator):
+    """old_log_probs are the rollout engine's in bypass mode: the shift must not contain that mismatch."""
+    from verl_oar.core.cscr import CSCRConfig
+    from verl_oar.core.oppo import OPPOConfig
+    from verl_oar.core.privileged_prompt import rewrite_messages
+
+    tokenizer, builder, model = chat
+    field, template = {"cscr": ("cscr_pos_shift", CSCRConfig().pos_template),
+                       "oppo": ("oppo_evidence", OPPOConfig().template)}[estimator]
+    answers = ANSWERS
+    for bypass in (True, False):
+        store, batch, metrics, plain, messages, responses, worker = _privileged_pass(monkeypatch, chat, estimator, bypass)
+        rows = store.data["train"]
+        for i, key in enumerate(batch.keys):
+            prompt = tokenizer.apply_chat_template(rewrite_messages(messages[i], template, answers[i]),
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+            privileged = _response_log_probs(model, prompt, responses[i])
+            baseline = plain[i] if bypass else rows[key]["old_log_probs"].double()
+            torch.testing.assert_close(rows[key][field].double(), privileged - baseline, atol=2e-5, rtol=0)
+        templates = 2 if estimator == "cscr" else 1  # one call in all; the plain prompt's rows only in bypass mode
+        assert worker.calls == 1 and metrics[f"{estimator}/rescore/rows"] == len(plain) * (templates + bypass)
+        assert metrics[f"{estimator}/rescore/plain_baseline"] == float(bypass)
+
+
+# --- 6. a privileged prompt past the context: the question is shortened, never the chat header or template -------
+
+
+def test_an_overflowing_privileged_prompt_keeps_header_system_prompt_and_template_and_shortens_the_question(chat):
+    from verl_oar.core.privileged_prompt import OPPO_ORACLE
+    from verl_oar.integration.privileged_signal import RescoreStats, privileged_rows
+
+    tokenizer, builder, _ = chat
+    question = "Tom has 3 apples. " * 8 + "How many apples does Tom have?"
+    messages = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in (question, "What is 2+3?")]
+    prompts = [torch.tensor(builder.build_initial_tokens(m)) for m in messages]
+    responses = [torch.tensor(tokenizer.encode("So \\boxed{24}.", add_special_tokens=False) + [tokenizer.eos_token_id])] * 2
+    masks = [torch.ones_like(r) for r in responses]
+
+    def rows(limit, overflow="truncate"):
+        stats = RescoreStats()
+        built = privileged_rows([OPPO_ORACLE], ["a", "b"], messages, prompts, responses, masks, ["24", "5"], [False] * 2,
+                                builder.build_initial_tokens, limit, overflow, stats)
+        return built, stats
+
+    full = len(builder.build_initial_tokens(messages[0][:1] + [{"role": "user", "content": OPPO_ORACLE.format(
+        question=question, answer="24")}]))
+    limit = full + len(responses[0]) - 40  # 40 tokens too many for row a; row b fits
+    built, stats = rows(limit)
+    text = tokenizer.decode(built.rows[0]["prompts"])
+    head = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nTom has 3 apples."
+    tail = "How many apples does Tom have?\n\nThe correct final answer is: 24.<|im_end|>\n<|im_start|>assistant\n"
+    assert text.startswith(head) and text.endswith(tail) and " [...] " in text, text  # core.privileged_prompt.ELISION
+    assert len(built.rows[0]["input_ids"]) == limit  # byte-level tokens: the most of the question that fits
+    assert built.scored == [True, True] and stats.truncated == 1 and stats.skipped == 0
+    assert tokenizer.decode(built.rows[1]["prompts"]).endswith("What is 2+3?\n\nThe correct final answer is: 5.<|im_end|>\n"
+                                                               "<|im_start|>assistant\n")
+    empty = len(builder.build_initial_tokens(messages[0][:1] + [{"role": "user", "content": OPPO_ORACLE.format(
+        question="", answer="24")}]))
+    built, stats = rows(empty + len(responses[0]) - 1)  # not even an empty question fits row a: skipped, counted
+    assert built.scored[0] is False and stats.skipped == 1 and torch.equal(built.rows[0]["prompts"], prompts[0])
+    built, stats = rows(limit, overflow="skip")
+    assert built.scored == [False, True] and stats.skipped == 1 and stats.truncated == 0
+
+
+def test_the_pass_scores_a_shortened_question_and_leaves_rows_that_cannot_fit_unscored(monkeypatch, chat):
+    """Through the whole pass (in-memory TransferQueue, tiny Qwen2): row 1's oracle prompt is shortened, the
+    evidence is taken under it; a context so small that a row cannot fit leaves it unscored (evidence 0)."""
+    from verl_oar.core.privileged_prompt import OPPO_ORACLE, fit_question
+
+    tokenizer, builder, model = chat
+    limit = 121  # rows 0-2 fit with a few characters of their question, row 3 (a long answer) not even without
+    store, batch, metrics, plain, messages, responses, _ = _privileged_pass(monkeypatch, chat, "oppo", False, limit=limit)
+    rows = store.data["train"]
+    assert metrics["oppo/rescore/truncated"] == 3 and metrics["oppo/rescore/skipped"] == 1
+    for i, key in enumerate(batch.keys):
+        ids, _ = fit_question(messages[i], OPPO_ORACLE, ANSWERS[i], builder.build_initial_tokens, limit - len(responses[i]))
+        if ids is None:
+            assert (rows[key]["oppo_scored"] == 0).all() and (rows[key]["oppo_evidence"] == 0).all()
+            continue
+        assert (rows[key]["oppo_scored"] == 1).all()
+        want = _response_log_probs(model, ids, responses[i]) - rows[key]["old_log_probs"].double()
+        torch.testing.assert_close(rows[key]["oppo_evidence"].double(), want, atol=2e-5, rtol=0)

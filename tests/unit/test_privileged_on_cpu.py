@@ -131,11 +131,11 @@ def _chars(messages) -> list[int]:
     return [ord(c) for m in messages for c in f"{m['role']}:{m['content']}|"]
 
 
-def _rows(templates, responses, *, limit=float("inf"), overflow="truncate", padding=None, answers=None):
+def _rows(templates, responses, *, limit=float("inf"), overflow="truncate", padding=None, answers=None, questions=None):
     from verl_oar.integration.privileged_signal import RescoreStats, privileged_rows
 
     n = len(responses)
-    messages = [[{"role": "user", "content": f"q{i}"}] for i in range(n)]
+    messages = [[{"role": "user", "content": (questions or [f"q{i}" for i in range(n)])[i]}] for i in range(n)]
     prompts = [torch.tensor(_chars(m)) for m in messages]
     responses = [torch.tensor(r, dtype=torch.long) for r in responses]
     stats = RescoreStats()
@@ -157,15 +157,20 @@ def test_rows_are_template_major_with_the_rewritten_prompt_then_the_response():
     assert stats.rows == 4 and stats.prompt_tokens_added == [0, 0, 4, 4] and stats.truncated == stats.skipped == 0
 
 
-def test_rows_past_the_context_are_truncated_from_the_left_or_skipped_and_counted():
-    long = "{question} " + "x" * 40
-    built, stats, _ = _rows([long], [[1, 2, 3], [4, 5]], limit=20)
+def test_rows_past_the_context_get_their_question_shortened_from_the_middle_or_are_skipped_and_counted():
+    questions = ["abcdefghij" * 4, "0123456789" * 4]
+    built, stats, _ = _rows(["{question} A"], [[1, 2, 3], [4, 5]], limit=20, questions=questions)
     assert [len(r["input_ids"]) for r in built.rows] == [20, 20] and built.scored == [True, True]
-    assert bytes(built.rows[0]["prompts"].tolist()).decode().endswith("xxxx|")  # the left end was cut
+    # "user:" + question + " A|": the question keeps its two ends around " [...] ", the template and header stay
+    assert bytes(built.rows[0]["prompts"].tolist()).decode() == "user:a [...] j A|"
+    assert bytes(built.rows[1]["prompts"].tolist()).decode() == "user:01 [...] 9 A|"
     assert stats.truncated == 2 and stats.skipped == 0
-    built, stats, prompts = _rows([long], [[1, 2, 3], [4, 5]], limit=20, overflow="skip")
+    built, stats, prompts = _rows(["{question} A"], [[1, 2, 3], [4, 5]], limit=20, overflow="skip", questions=questions)
     assert built.scored == [False, False] and stats.skipped == 2 and stats.truncated == 0
     assert torch.equal(built.rows[1]["prompts"], prompts[1])  # scored on the rollout prompt, its result unused
+    long = "{question} " + "x" * 40  # the template alone overflows: not even an empty question fits
+    built, stats, _ = _rows([long], [[1, 2, 3]], limit=20)
+    assert built.scored == [False] and stats.skipped == 1 and stats.truncated == 0
     built, stats, _ = _rows([long], [list(range(1, 25))], limit=20)  # the response alone fills the context
     assert built.scored == [False] and stats.skipped == 1
 

@@ -5,8 +5,10 @@ Specification: ``../shared/METHODS.md`` section 4.2 (the paper's full text was n
 [GUESS] there is a key of :class:`CSCRConfig`). Per response, over its valid tokens ``t``
 (``T`` of them), with GRPO's sequence advantage ``A``:
 
-1. shifts:       d+_t = log pi(y_t | x + c+, y_<t) - old_log_prob_t,  d-_t likewise under c-
-                 (c+ asserts the response is correct, c- that it is not)
+1. shifts:       d+_t = log pi(y_t | x + c+, y_<t) - log pi(y_t | x, y_<t),  d-_t likewise under c-
+                 (c+ asserts the response is correct, c- that it is not; the second term is verl's
+                 ``old_log_prob_t``, or in rollout-correction bypass mode the plain prompt re-scored in
+                 the same pass: ``integration.privileged_signal``)
 2. sensitivity:  s_t = max(|d+_t|, |d-_t|)                      (``sensitivity=abs_max``)
 3. attenuation:  w_t = 1 if s_t <= tau, else max(exp(-alpha (s_t - tau)), floor)
                  tau: an absolute value in nats, or the ``threshold``-quantile of s over the
@@ -57,8 +59,9 @@ class CSCRConfig:
     neg_template: str = CSCR_NEGATIVE
     """[GUESS] c-: the user turn asserting it is incorrect"""
     overflow: str = "truncate"
-    """a privileged prompt + response longer than the model's context: ``truncate`` the prompt from the
-    left (as verl's agent loop does) or ``skip`` the row (its weights stay 1: GRPO); both counted"""
+    """a privileged prompt + response longer than the model's context: ``truncate`` shortens the question from
+    its middle until it fits (never the chat header, system prompt or template; a row that does not fit even with
+    an empty question is skipped), ``skip`` skips the row (its weights stay 1: GRPO); both counted"""
 
     def __post_init__(self) -> None:
         if self.threshold_mode not in THRESHOLD_MODES:

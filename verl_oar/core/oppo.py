@@ -79,11 +79,13 @@ class OPPOConfig:
     template: str = OPPO_ORACLE
     """[GUESS: wording] the oracle prompt's user turn, with ``{question}`` and ``{answer}`` (``core.privileged_prompt``)"""
     overflow: str = "truncate"
-    """an oracle prompt + response longer than the model's context: ``truncate`` the prompt from the left
-    or ``skip`` the row (its evidence is 0); both counted"""
+    """an oracle prompt + response longer than the model's context: ``truncate`` shortens the question from its
+    middle until it fits (never the chat header, system prompt, template or answer; a row that does not fit even
+    with an empty question is skipped), ``skip`` skips the row (broadcast credit of its R - V_0); both counted"""
     oracle: str = "self"
     """who scores the evidence: ``self`` (the actor at the rollout's weights: the oracle prompt's log-probs
-    minus ``old_log_probs``) or ``teacher`` (a frozen model: both terms under it)"""
+    minus ``old_log_probs``, or in rollout-correction bypass mode minus the plain prompt's from the same pass) or
+    ``teacher`` (a frozen model: both terms under it)"""
     teacher: Mapping[str, Any] | None = None
     """``oracle=teacher``: ``{path: <model directory or hub id>}`` (``+algorithm.oppo.teacher.path=...``); its
     tokenizer must have the actor's vocabulary"""

@@ -12,17 +12,24 @@ size and offload. Per step:
    rollout's own token builder (``create_continuous_token_builder`` with ``data.apply_chat_template_kwargs``,
    as verl's agent loop) and append the response; a row whose privileged prompt + response exceeds the
    context (the model's ``max_position_embeddings``, ``rollout.max_model_len``, and under dynamic batch
-   size ``rollout.log_prob_max_token_len_per_gpu``) is truncated from the left of its prompt or skipped
-   (``overflow``), counted; verl's synthetic padding rows are re-scored as they are (log-prob shift 0);
+   size ``rollout.log_prob_max_token_len_per_gpu``) gets its question shortened from the middle until it
+   fits (``core.privileged_prompt.fit_question``: the chat header, system prompt and template are never
+   cut; ``overflow=truncate``) or is skipped (``overflow=skip``, or when even an empty question does not
+   fit), counted; verl's synthetic padding rows are re-scored as they are (log-prob shift 0);
 3. every template's rows go into one TransferQueue partition of their own (``PARTITION``) and through
    ONE ``compute_log_prob`` call at the rollout temperature (balanced across data-parallel ranks by
    verl's ``_balance_batch``; K templates x a batch that verl already made divisible keeps every
    divisibility of the old-log-prob call); the partition is cleared afterwards, also on error;
-4. the response tokens' log-probs minus ``old_log_probs`` are the shifts, written as nested
-   (bs, response_len) fields under the batch's keys.
+4. the response tokens' log-probs minus a baseline are the shifts, written as nested (bs, response_len)
+   fields under the batch's keys. The baseline is ``old_log_probs`` (the same actor, weights and
+   temperature on the rollout's own prompt), except where that is not the scoring model's own: in
+   rollout-correction bypass mode verl sets ``old_log_probs`` to the rollout engine's log-probs, and OPPO's
+   teacher is another model; there the rollout's own prompt is scored in the same call as a template of its
+   own and subtracted (``{prefix}/rescore/plain_baseline`` 1), so that no train/inference mismatch enters
+   the signal.
 
-The actor scores its own rollout (same weights as ``old_log_probs``): CSCR's self-teacher and OPPO's
-self-oracle. Text prompts only (multimodal rows are refused with the cause).
+The actor scores its own rollout: CSCR's self-teacher and OPPO's self-oracle (or OPPO's frozen teacher,
+``oracle=teacher``). Text prompts only (multimodal rows are refused with the cause).
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ import torch
 
 from verl_oar.core.cscr import CSCRConfig
 from verl_oar.core.oppo import OPPOConfig
-from verl_oar.core.privileged_prompt import ground_truth, rewrite_messages
+from verl_oar.core.privileged_prompt import fit_question, ground_truth, rewrite_messages
 from verl_oar.integration.signals import register_token_signal
 from verl_oar.integration.teacher import attach_teacher, check_teacher
+from verl_oar.integration.validate import bypass_mode
 
 PARTITION = "verl_oar_privileged"
 """TransferQueue partition of the re-scored rows (never "train"/"val": verl's replay buffer reads those)"""
@@ -47,19 +55,23 @@ OPPO_FIELDS = ("oppo_evidence", "oppo_scored")
 
 @dataclass
 class Rescored:
-    """The pass's result for one template: per row the response tokens' shifts (1-D float32, 0 on skipped rows)."""
+    """The pass's result for one template: per row the response tokens' shifts against the baseline (1-D float32,
+    0 on padding and on rows that were not scored)."""
 
     shifts: list[torch.Tensor]
     scored: list[bool]
-    """False: the row was skipped (too long with ``overflow=skip``)"""
+    """False: the row was not scored (past the context with ``overflow=skip``, or even with an empty question)"""
 
 
 @dataclass
 class RescoreStats:
     rows: int = 0
     truncated: int = 0
+    """rows whose question was shortened to fit the context"""
     skipped: int = 0
     seconds: float = 0.0
+    plain_baseline: bool = False
+    """the shifts are taken against the rollout's prompt re-scored in the same call (not ``old_log_probs``)"""
     prompt_tokens_added: list[int] = field(default_factory=list)
 
     def metrics(self, prefix: str) -> dict[str, float]:
@@ -69,6 +81,7 @@ class RescoreStats:
             f"{prefix}/rescore/truncated": float(self.truncated),
             f"{prefix}/rescore/skipped": float(self.skipped),
             f"{prefix}/rescore/seconds": float(self.seconds),
+            f"{prefix}/rescore/plain_baseline": float(self.plain_baseline),
             f"{prefix}/rescore/prompt_tokens_added_mean": float(sum(added) / len(added)) if added else 0.0,
         }
 
@@ -141,9 +154,11 @@ def privileged_rows(
     overflow: str, stats: RescoreStats,
 ) -> PrivilegedRows:
     """Step 2 of the module docstring: each row's rewritten prompt (``build_tokens(messages) -> ids``, the
-    rollout's token builder; template None: the rollout's own prompt ids), followed by its response; over
-    ``limit`` tokens it is truncated from the left (``overflow="truncate"``) or skipped (scored on its
-    rollout prompt, ``scored`` False), counted in ``stats``. Padding rows keep their rollout prompt."""
+    rollout's token builder; template None: the rollout's own prompt ids), followed by its response. A row over
+    ``limit`` tokens gets its question shortened until it fits (``overflow="truncate"``,
+    ``core.privileged_prompt.fit_question``; template None re-renders the rollout's messages so) or is not scored
+    (``overflow="skip"``, or when even an empty question does not fit: scored on its rollout prompt, ``scored``
+    False), counted in ``stats``. Padding rows keep their rollout prompt."""
     out = PrivilegedRows([], [], [], [])
     for j, template in enumerate(templates):
         for i, key in enumerate(keys):
@@ -160,11 +175,15 @@ def privileged_rows(
                     stats.prompt_tokens_added.append(len(prompt) - len(prompts[i]))
                 room = limit - len(response)
                 if len(prompt) > room:
-                    if overflow == "skip" or room < 1:
+                    fitted = None
+                    if overflow == "truncate" and room >= 1:
+                        fitted, _ = fit_question(list(messages[i]), template or "{question}", answers[i] or "",
+                                                 build_tokens, int(room))
+                    if fitted is None:
                         ok, prompt = False, prompts[i]  # scored as the rollout's own prompt; the result is not used
                         stats.skipped += 1
                     else:
-                        prompt = prompt[-int(room):]
+                        prompt = torch.as_tensor(fitted, dtype=torch.long)
                         stats.truncated += 1
             input_ids = torch.cat([prompt, response])
             out.keys.append(f"t{j}/{key}")
@@ -176,18 +195,42 @@ def privileged_rows(
     return out
 
 
-def rescore(trainer, batch, templates: list[str | None], overflow: str, stats: RescoreStats,
-            teacher: bool = False) -> list[Rescored]:
-    """Steps 1-4 of the module docstring for ``templates`` (None: the rollout's prompt); one call in all:
-    the actor's ``compute_log_prob``, or with ``teacher`` OPPO's frozen teacher (``compute_teacher_log_prob``,
-    and the context limit is the smaller of the two models')."""
+def relative_shifts(log_probs: list[torch.Tensor], scored: list[bool], old: list[torch.Tensor],
+                    masks: list[torch.Tensor], plain_baseline: bool) -> list[Rescored]:
+    """Step 4 of the module docstring. ``log_probs``: the pass's rows, template-major (row ``j * n + i``, each the
+    1-D response log-probs); with ``plain_baseline`` template 0 is the rollout's own prompt and every other
+    template's shifts are taken against it, else against ``old_log_probs`` (``old``, n rows). A row either side
+    could not score gets 0 and ``scored`` False."""
+    n = len(old)
+    first = 1 if plain_baseline else 0
+    out = []
+    for j in range(first, len(log_probs) // n if n else 0):
+        shifts, ok = [], []
+        for i in range(n):
+            row = j * n + i
+            good = scored[row] and (scored[i] or not plain_baseline)
+            reference = log_probs[i] if plain_baseline else old[i]
+            shift = (log_probs[row].float() - reference.float()) if good else torch.zeros(len(masks[i]))
+            shifts.append(shift * masks[i].float())
+            ok.append(good)
+        out.append(Rescored(shifts=shifts, scored=ok))
+    return out
+
+
+def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreStats, teacher: bool = False,
+            plain_baseline: bool = False) -> list[Rescored]:
+    """Steps 1-4 of the module docstring for ``templates``, one ``Rescored`` each; one call in all: the actor's
+    ``compute_log_prob``, or with ``teacher`` OPPO's frozen teacher (``compute_teacher_log_prob``, and the context
+    limit is the smaller of the two models'). With ``plain_baseline`` the rollout's own prompt is scored in the
+    same call (n rows more) and the shifts are taken against it instead of ``old_log_probs``."""
     import transfer_queue as tq
     from transfer_queue import KVBatchMeta
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
     from verl.workers.utils.padding import response_from_nested
 
     started = time.perf_counter()
-    needs_answer = any(t is not None and "{answer}" in t for t in templates)
+    passes = ([None] if plain_baseline else []) + list(templates)
+    needs_answer = any(t is not None and "{answer}" in t for t in passes)
     fields = ["raw_prompt", "prompts", "responses", "response_mask", "old_log_probs"] + (["reward_model"] if needs_answer else [])
     src = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
     messages, prompts = _rows(src, "raw_prompt"), _rows(src, "prompts")
@@ -200,9 +243,9 @@ def rescore(trainer, batch, templates: list[str | None], overflow: str, stats: R
     _, limit = _model_facts(trainer)
     if teacher:
         limit = min(limit, _teacher_limit(trainer))
-    built = privileged_rows(templates, list(batch.keys), messages, prompts, responses, masks, answers, padding,
+    built = privileged_rows(passes, list(batch.keys), messages, prompts, responses, masks, answers, padding,
                             _token_builder(trainer).build_initial_tokens, limit, overflow, stats)
-    keys, tags, scored = built.keys, built.tags, built.scored
+    keys, tags = built.keys, built.tags
     meta_keys = keys
     try:
         tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=list_of_dict_to_tensordict(built.rows), tags=tags)
@@ -217,22 +260,12 @@ def rescore(trainer, batch, templates: list[str | None], overflow: str, stats: R
         if len(output) != len(meta):
             raise RuntimeError(f"privileged re-scoring: compute_log_prob returned {len(output)} rows for {len(meta)}")
         got = tq.kv_batch_get(keys=keys, partition_id=PARTITION, select_fields=["log_probs", "response_mask"])
-        log_probs = response_from_nested(got["log_probs"], got["response_mask"]).unbind()
+        log_probs = list(response_from_nested(got["log_probs"], got["response_mask"]).unbind())
     finally:
         tq.kv_clear(keys=meta_keys, partition_id=PARTITION)
-    n = len(batch)
-    out = []
-    for j in range(len(templates)):
-        shifts, ok = [], []
-        for i in range(n):
-            row = j * n + i
-            good = scored[row]
-            shift = (log_probs[row].float() - old[i].float()) if good else torch.zeros(len(responses[i]))
-            shifts.append(shift * masks[i].float())
-            ok.append(good)
-        out.append(Rescored(shifts=shifts, scored=ok))
+    stats.plain_baseline = plain_baseline
     stats.seconds += time.perf_counter() - started
-    return out
+    return relative_shifts(log_probs, built.scored, old, masks, plain_baseline)
 
 
 def _put(batch, tensors: dict[str, list[torch.Tensor]]) -> None:
@@ -279,11 +312,13 @@ def attach_oppo_teacher(config) -> None:
 
 @register_token_signal("cscr_shifts", fields=CSCR_FIELDS, validate=validate_privileged)
 def compute_cscr_shifts(trainer, batch, metrics: dict) -> None:
-    """``cscr_pos_shift`` / ``cscr_neg_shift``: log pi(y_t | x + c+/-, y_<t) - old_log_prob_t (nats); ``cscr_scored``
-    1 on rows that were re-scored (0: skipped, weights stay 1)."""
+    """``cscr_pos_shift`` / ``cscr_neg_shift``: log pi(y_t | x + c+/-, y_<t) - old_log_prob_t (nats; in bypass mode
+    minus log pi(y_t | x, y_<t) from the same call); ``cscr_scored`` 1 on rows that were re-scored (0: GRPO's
+    credit)."""
     cfg = CSCRConfig.from_algorithm(trainer.config.algorithm)
     stats = RescoreStats()
-    pos, neg = rescore(trainer, batch, [cfg.pos_template, cfg.neg_template], cfg.overflow, stats)
+    pos, neg = rescore(trainer, batch, [cfg.pos_template, cfg.neg_template], cfg.overflow, stats,
+                       plain_baseline=bypass_mode(trainer.config))
     scored = [torch.full_like(p, int(a and b), dtype=torch.long) for p, a, b in zip(pos.shifts, pos.scored, neg.scored, strict=True)]
     _put(batch, {"cscr_pos_shift": pos.shifts, "cscr_neg_shift": neg.shifts, "cscr_scored": scored})
     metrics.update(stats.metrics("cscr"))
@@ -291,18 +326,14 @@ def compute_cscr_shifts(trainer, batch, metrics: dict) -> None:
 
 @register_token_signal("oppo_evidence", fields=OPPO_FIELDS, validate=validate_privileged, attach=attach_oppo_teacher)
 def compute_oppo_evidence(trainer, batch, metrics: dict) -> None:
-    """``oppo_evidence`` (nats): self-oracle, log pi(y_t | x + oracle(y*), y_<t) - old_log_prob_t; teacher,
-    log pi_T(y_t | x + oracle(y*), y_<t) - log pi_T(y_t | x, y_<t), both rows in one teacher call.
-    ``oppo_scored`` 1 on rows that were re-scored (0: skipped, evidence 0)."""
+    """``oppo_evidence`` (nats): self-oracle, log pi(y_t | x + oracle(y*), y_<t) - old_log_prob_t (in bypass mode
+    minus log pi(y_t | x, y_<t) from the same call); teacher, log pi_T(y_t | x + oracle(y*), y_<t) -
+    log pi_T(y_t | x, y_<t), both rows in one teacher call. ``oppo_scored`` 1 on rows that were re-scored (0:
+    broadcast credit, ``core.oppo``)."""
     cfg = OPPOConfig.from_algorithm(trainer.config.algorithm)
     stats = RescoreStats()
-    if cfg.oracle == "teacher":
-        base, hinted = rescore(trainer, batch, [None, cfg.template], cfg.overflow, stats, teacher=True)
-        scored = [a and b for a, b in zip(base.scored, hinted.scored, strict=True)]
-        # both shifts are relative to old_log_probs, which cancel: lp_T(x') - lp_T(x)
-        evidence = [(h - b) if ok else torch.zeros_like(h) for h, b, ok in zip(hinted.shifts, base.shifts, scored, strict=True)]
-        oracle = Rescored(shifts=evidence, scored=scored)
-    else:
-        (oracle,) = rescore(trainer, batch, [cfg.template], cfg.overflow, stats)
+    teacher = cfg.oracle == "teacher"
+    (oracle,) = rescore(trainer, batch, [cfg.template], cfg.overflow, stats, teacher=teacher,
+                        plain_baseline=teacher or bypass_mode(trainer.config))
     _put(batch, {"oppo_evidence": oracle.shifts, "oppo_scored": _scored_rows(oracle, oracle.shifts)})
     metrics.update(stats.metrics("oppo"))
