@@ -1,7 +1,12 @@
-"""Two data-parallel ranks (gloo, CPU) of verl's real FSDP2 engine scoring different data: OAR-P
-(chunk mode) and non-fused OAR-G, whose numbers of model calls differ between the ranks. Each rank's
-importance must equal a one-process plain-transformers reference, and the parameters must come
-back unchanged and sharded. Prints one ``RANK {json}`` line per rank.
+"""Two data-parallel ranks (gloo, CPU) of verl's real FSDP2 engine scoring different data, so that their
+numbers of model calls differ: OAR-P (chunk and hierarchical), OAR-G non-fused and fused into verl's
+old-log-prob pass (noisy KL and log-likelihood), with the parameters sharded (the default: equal call
+counts, ``engines.fsdp.lockstep``) and, opt-in, gathered once per pass (``algorithm.oar.gather_params``).
+Each rank's importance must equal a one-process plain-transformers reference, the fused log-probs verl's
+own ``compute_log_prob``; per pass it records the all-gathers, the model's forwards and the largest
+parameter bytes unsharded at once (the storage of FSDP2's unsharded parameters, summed whenever a group
+is unsharded), beside the same count in verl's own ``compute_log_prob`` forward. Prints one
+``RANK {json}`` line per rank.
 
     VERL_PLATFORM=cpu python tests/engine/engine_multirank_check.py OUT_DIR       # launcher: spawns 2 ranks
     (a rank: ... engine_multirank_check.py OUT_DIR --rank R --port P)
@@ -18,7 +23,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 2
 # rank 0: long responses (several chunks, several OAR-P calls); rank 1: first a micro-batch with no
-# answer (OAR-G makes no forward, OAR-P only its clean pass), then an answer-first response.
+# answer (nothing to score: OAR-P and OAR-G make no call of their own), then a short response.
 RANK_DATA = {
     0: (["What is 3+4?", "What is 8+5?"],
         ["3 plus 4: count 3, then 4 more, 5, 6, 7. So the sum is \\boxed{7}",
@@ -80,6 +85,65 @@ def _count_fsdp_collectives() -> dict:
     return counts
 
 
+def _track_unsharded_bytes(module) -> dict:
+    """The largest parameter storage unsharded at once: after every FSDP2 group's switch to its unsharded
+    parameters (torch 2.13 ``FSDPParamGroup._to_unsharded``, after the all-gather copy-out), the bytes of all
+    groups' unsharded parameter storage (``FSDPParam.all_gather_outputs``, freed on reshard) are summed.
+    Returns the live record: ``peak`` (reset it per pass) and ``group`` (each group's unsharded bytes)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from verl_oar.engines.fsdp.unshard import fsdp2_modules
+
+    groups = [g for m in fsdp2_modules(module) for g in m._get_fsdp_state()._fsdp_param_groups]
+    record = {"peak": 0, "group": {}}
+
+    def nbytes(group) -> int:
+        return sum(t.untyped_storage().nbytes() for p in group.fsdp_params for t in p.all_gather_outputs)
+
+    original = FSDPParamGroup._to_unsharded
+
+    def to_unsharded(self):
+        original(self)
+        record["group"][id(self)] = max(record["group"].get(id(self), 0), nbytes(self))
+        record["peak"] = max(record["peak"], sum(nbytes(g) for g in groups))
+
+    FSDPParamGroup._to_unsharded = to_unsharded
+    return record
+
+
+def hierarchical_reference(model_dir, tokenizer, prompts, responses, oar: dict, temperature: float):
+    """OAR-P hierarchical mode per sequence on plain transformers: ``core.hierarchical`` with the naive
+    whole-sequence forward per occluded span as its scorer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_oar.core.answer_span import locate_answer_tokens
+    from verl_oar.core.config import OARConfig
+    from verl_oar.core.hierarchical import hierarchical_importance
+    from verl_oar.core.perturbation import naive_perturbation_importance
+
+    cfg = OARConfig(**oar)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
+    neutral = tokenizer.pad_token_id
+    out = []
+    for p, r in zip(prompts, responses):
+        ids = torch.cat([p, r])
+        reasoning = torch.zeros(len(ids), dtype=torch.bool)
+        predict = torch.zeros(len(ids), dtype=torch.bool)
+        located = locate_answer_tokens(r.tolist(), tokenizer)
+        if located is not None:
+            reasoning[len(p):] = torch.tensor(located[0])
+            predict[torch.nonzero(torch.tensor(located[1])).flatten() + len(p) - 1] = True
+
+        def score(spans, ids=ids, predict=predict):
+            return [naive_perturbation_importance(lambda x: model(input_ids=x).logits, ids, spans[0], predict,
+                                                  neutral, cfg.outcome, temperature)]
+
+        importance, _ = hierarchical_importance(score, [reasoning], cfg.perturbation_config())
+        out.append(importance[0][len(p):])
+    return out
+
+
 def run_rank(out_dir: str, rank: int, port: str) -> None:
     os.environ.update(VERL_PLATFORM="cpu", RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -102,36 +166,72 @@ def run_rank(out_dir: str, rank: int, port: str) -> None:
     assert torch.distributed.get_world_size() == WORLD
     before = base.snapshot(engine)
     counts = _count_fsdp_collectives()
+    unsharded = _track_unsharded_bytes(engine.module)
+    forwards = [0]
+    engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     temperature = 0.8
-    p_oar = {"outcome": "mean", "perturb_mode": "chunk", "perturb_budget": 3}
-    data, prompts, responses = base.make_batch(tokenizer, p_oar, step=1)
-    tu.assign_non_tensor(data, oar_method="perturbation", temperature=temperature, oar_config=p_oar, oar_step=1)
-    p_out = worker.compute_token_importance(data)
-    p_calls = dict(counts)
-    counts.clear()
-    g_oar = {"objective": "noisy_kl", "saliency": "grad_x_input", "outcome": "mean"}
-    data, _, _ = base.make_batch(tokenizer, g_oar, step=3)
-    g_out = worker.compute_token_importance(data)  # oar_method defaults to gradient, not fused
-    g_calls = dict(counts)
-    after = base.snapshot(engine)
-    sharded = all(isinstance(p, DTensor) for p in engine.module.parameters())
-    shard_shapes = all(before["params"][n].shape == p.to_local().shape
-                       for n, p in engine.module.named_parameters())
+    passes: dict = {}
 
-    want_p = naive_reference(model_dir, tokenizer, prompts, responses, p_oar, temperature)
-    want_g = base.hf_reference(model_dir, tokenizer, prompts, responses, g_oar, 3)
+    def measured(name, call):
+        counts.clear()
+        forwards[0] = 0
+        unsharded["peak"] = 0
+        out = call()
+        passes[name] = {"collectives": dict(counts), "forwards": forwards[0], "peak_bytes": unsharded["peak"]}
+        return out
+
+    def importance(oar: dict, method: str, step: int, fused: bool = False):
+        data, prompts, responses = base.make_batch(tokenizer, oar, step=step)
+        # OAR-G's reference (engine_importance_check.hf_reference) samples at temperature 1
+        tu.assign_non_tensor(data, oar_method=method, oar_config=oar, oar_step=step,
+                             temperature=temperature if method == "perturbation" else 1.0)
+        if fused:
+            tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, oar_fused=True)
+            return worker.compute_log_prob(data), prompts, responses
+        return worker.compute_token_importance(data), prompts, responses
 
     def err(out, want):
         return max(float((g.float() - w).abs().max()) for g, w in zip(out["oar_importance"].unbind(), want))
 
+    def scale(want):
+        return max(float(w.abs().max()) for w in want)
+
+    # verl's own old-log-prob pass: the forward level of unsharded parameters, and the fused pass's log-probs
+    plain, _, _ = base.make_batch(tokenizer, {}, step=3)
+    tu.assign_non_tensor(plain, temperature=1.0, calculate_entropy=True, compute_loss=False)
+    verl_out = measured("verl_log_prob", lambda: worker.compute_log_prob(plain))
+    whole = sum(unsharded["group"].values())  # every group was unsharded once in that forward
+
+    results: dict = {}
+    p_modes = {"p_chunk": {"outcome": "mean", "perturb_mode": "chunk", "perturb_budget": 3},
+               "p_hier": {"outcome": "mean", "perturb_mode": "hierarchical", "perturb_budget": 3,
+                          "perturb_refine_top": 1, "perturb_refine_unit": 2},
+               "p_gathered": {"outcome": "mean", "perturb_mode": "chunk", "perturb_budget": 3, "gather_params": True}}
+    for name, oar in p_modes.items():
+        out, prompts, responses = measured(name, lambda oar=oar: importance(oar, "perturbation", 1))
+        reference = hierarchical_reference if oar["perturb_mode"] == "hierarchical" else naive_reference
+        want = reference(model_dir, tokenizer, prompts, responses, oar, temperature)
+        results[name] = {"err": err(out, want), "scale": scale(want), "copies": out["oar_perturb_copies"].tolist()}
+
+    noisy = {"objective": "noisy_kl", "saliency": "grad_x_input", "outcome": "mean"}
+    loglik = {"objective": "loglik", "saliency": "grad_x_input", "outcome": "mean"}
+    g_modes = {"g_noisy": (noisy, False), "g_fused_noisy": (noisy, True), "g_fused_loglik": (loglik, True),
+               "g_gathered": ({**noisy, "gather_params": True}, False)}
+    for name, (oar, fused) in g_modes.items():
+        out, prompts, responses = measured(name, lambda oar=oar, fused=fused: importance(oar, "gradient", 3, fused))
+        want = base.hf_reference(model_dir, tokenizer, prompts, responses, oar, 3)
+        results[name] = {"err": err(out, want), "scale": scale(want),
+                         "answers": [int(a.any()) for a in out["oar_answer_mask"].unbind()]}
+        if fused:
+            results[name]["log_probs_identical"] = base.bitwise_equal(out["log_probs"], verl_out["log_probs"])
+            results[name]["entropy_identical"] = base.bitwise_equal(out["entropy"], verl_out["entropy"])
+
+    after = base.snapshot(engine)
+    sharded = all(isinstance(p, DTensor) for p in engine.module.parameters())
+    shard_shapes = all(before["params"][n].shape == p.to_local().shape for n, p in engine.module.named_parameters())
     print("RANK " + json.dumps({
-        "rank": rank,
-        "p_err": err(p_out, want_p), "p_scale": max(float(w.abs().max()) for w in want_p),
-        "g_err": err(g_out, want_g), "g_scale": max(float(w.abs().max()) for w in want_g),
-        "copies": p_out["oar_perturb_copies"].tolist(),
-        "answers": [int(a.any()) for a in g_out["oar_answer_mask"].unbind()],
+        "rank": rank, "results": results, "passes": passes, "whole_model_bytes": whole,
         "fsdp_modules": len(fsdp2_modules(engine.module)),
-        "p_collectives": p_calls, "g_collectives": g_calls,
         "state_unchanged": base.same(before, after),
         "sharded_after": sharded and shard_shapes,
     }), flush=True)

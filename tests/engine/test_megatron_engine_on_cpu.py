@@ -272,7 +272,7 @@ def test_megatron_oar_p_rows_model_refuses_a_prefix_cache_and_shifted_positions(
 
 
 def test_engine_type_is_recognised_by_class_without_importing_megatron():
-    from verl_oar.engines.megatron.forward import is_megatron_engine
+    from verl_oar.engines.backend import is_megatron_engine
 
     megatron_cls = type("MegatronEngine", (), {"__module__": "verl.workers.engine.megatron.transformer_impl"})
     with_lm_head = type("MegatronEngineWithLMHead", (megatron_cls,), {})

@@ -75,6 +75,42 @@ def _violations() -> list[str]:
     return sorted(set(found))
 
 
+SEAMS = {
+    "engines/driver.py": ("verl_oar.engines.fsdp", "verl_oar.engines.megatron"),
+    "engines/fsdp": ("verl_oar.engines.megatron",),
+    "engines/megatron": ("verl_oar.engines.fsdp",),
+}
+"""module or folder -> engine packages it must not import: the driver reaches the engines only through
+``engines.backend`` (each engine's importance pass); the engine packages are siblings"""
+
+
+def _seam_violations() -> list[str]:
+    found = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        for owner, banned in SEAMS.items():
+            if rel != owner and not rel.startswith(owner + "/"):
+                continue
+            for name in _imports(path):
+                if any(name == b or name.startswith(b + ".") for b in banned):
+                    found.append(f"{rel} imports {name}")
+    return sorted(set(found))
+
+
+def test_the_driver_reaches_the_engines_only_through_the_backend_seam():
+    assert _seam_violations() == []
+
+
+def test_the_seam_check_sees_a_driver_importing_an_engine():
+    probe = PACKAGE / "engines" / "fsdp" / "x_seam_probe.py"
+    probe.write_text("def f():\n    from verl_oar.engines.megatron.forward import bshd_forced_max_seqlen\n")
+    try:
+        found = _seam_violations()
+    finally:
+        probe.unlink()
+    assert "engines/fsdp/x_seam_probe.py imports verl_oar.engines.megatron.forward" in found
+
+
 def test_every_module_belongs_to_a_layer():
     loose = [p.relative_to(PACKAGE).as_posix() for p in _modules()
              if p.parent == PACKAGE and p.name != "__init__.py"]

@@ -1,12 +1,12 @@
 """Token importance on verl's training engine (FSDP / FSDP2 or Megatron), batch in, batch out.
 
-The driver shared by both methods and both engines: ``gradient`` (OAR-G: ``engines.fsdp.gradient`` on
-FSDP, ``engines.megatron.gradient`` on Megatron) and ``perturbation`` (OAR-P: ``engines.fsdp.perturbation``,
-``engines.megatron.perturbation``). verl extension points: the engine's own ``prepare_micro_batches``
-(micro-batching and dynamic batch size, restored to the caller's order afterwards) and
-``engine.eval_mode`` (parameter offload in and out); checked against verl 0.9.1. On FSDP2 the whole
-pass runs with the parameters unsharded (``engines.fsdp.unshard``), so that ranks whose model-call
-counts differ issue no mismatched collective.
+The driver shared by both methods and both engines: ``gradient`` (OAR-G) and ``perturbation`` (OAR-P), one
+micro-batch at a time through the engine's :class:`~verl_oar.engines.backend.ImportancePass`
+(``engines.backend``: the driver never reaches into ``engines.fsdp`` or ``engines.megatron``; the FSDP2
+pass keeps the ranks' model calls equal, so its parameters stay sharded). verl extension points: the
+engine's own ``prepare_micro_batches`` (micro-batching and dynamic batch size, restored to the caller's
+order afterwards; the same number of micro-batches on every data-parallel rank) and ``engine.eval_mode``
+(parameter offload in and out); checked against verl 0.9.1.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from verl_oar.core.answer_locator import load_answer_locator
 from verl_oar.core.config import OARConfig, neutral_token_id
-from verl_oar.engines.fsdp.unshard import unsharded_for_importance
+from verl_oar.engines.backend import importance_pass
 from verl_oar.engines.inputs import add_outcome_masks, nested, remove_masks
 
 METHODS = ("gradient", "perturbation")
@@ -64,18 +64,7 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
     from verl.utils.seqlen_balancing import restore_dynamic_batch
     from verl.workers.engine.utils import prepare_micro_batches
 
-    from verl_oar.engines.megatron.forward import bshd_forced_max_seqlen, is_megatron_engine
-
     engine = worker.engine
-    megatron = is_megatron_engine(engine)
-    if megatron:
-        from verl_oar.engines.megatron.gradient import megatron_gradient_micro_batch as gradient_micro_batch
-        from verl_oar.engines.megatron.perturbation import (
-            megatron_perturbation_micro_batch as perturbation_micro_batch,
-        )
-    else:
-        from verl_oar.engines.fsdp.gradient import gradient_micro_batch
-        from verl_oar.engines.fsdp.perturbation import perturbation_micro_batch
     cfg = OARConfig(**tu.get(data, key="oar_config"))
     step = int(tu.get(data, key="oar_step", default=0))
     method = tu.get(data, key="oar_method", default="gradient")
@@ -105,30 +94,22 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
         neutral = neutral_token_id(cfg, tokenizer)
         token_budget, rows_budget = _perturbation_budget(data, cfg)
 
-    # FSDP2 with several DP ranks: the ranks make different numbers of model calls (OAR-P per sample,
-    # OAR-G none on a micro-batch with nothing to score); with the parameters gathered once up front
-    # those calls issue no collective (engines.fsdp.unshard). Megatron keeps its own path.
-    unsharded = nullcontext() if megatron else unsharded_for_importance(engine)
-    with engine.eval_mode(), (engine.disable_adapter() if no_lora_adapter else nullcontext()), unsharded:
+    with (engine.eval_mode(), (engine.disable_adapter() if no_lora_adapter else nullcontext()),
+          importance_pass(engine, data, cfg) as engine_pass):
         micro_batches, indices = prepare_micro_batches(
             data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
         )
         rows, model_outputs, copies, passes, peaks = [], {}, [], [], []
-        forced_max_seqlen = bshd_forced_max_seqlen(engine, data) if megatron else None
         for micro_batch in micro_batches:
-            if forced_max_seqlen is not None:  # as verl's Megatron forward_backward_batch pads BSHD rows
-                tu.assign_non_tensor(micro_batch, forced_max_seqlen=forced_max_seqlen)
             if perturb:
-                importance, costs = perturbation_micro_batch(
-                    engine, micro_batch, cfg, neutral, token_budget, rows_budget
-                )
+                importance, costs = engine_pass.perturbation(micro_batch, cfg, neutral, token_budget, rows_budget)
                 lengths = micro_batch["input_ids"].offsets().diff().tolist()
                 copies.extend(float(c.copies) for c in costs)
                 passes.extend(c.tokens / max(n, 1) for c, n in zip(costs, lengths, strict=True))
                 peaks.extend(float(c.peak_call_tokens) for c in costs)
                 outputs = None
             else:
-                importance, outputs = gradient_micro_batch(engine, micro_batch, cfg, step, with_log_probs)
+                importance, outputs = engine_pass.gradient(micro_batch, cfg, step, with_log_probs)
             rows.extend(importance.unbind())
             for key, value in (outputs or {}).items():
                 model_outputs.setdefault(key, []).extend(value.unbind())

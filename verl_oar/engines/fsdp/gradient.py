@@ -6,8 +6,10 @@ off), ``engine.prepare_model_outputs`` (log-probs when fused with the old-log-pr
 differentiates the outcome objective with respect to the *input embeddings only*
 (``torch.autograd.grad``): no parameter gradient is computed or accumulated, no optimizer state is touched.
 A micro-batch with nothing to score makes no model call (``gradient_importance_in_forward`` returns
-zeros); that is safe with several DP ranks because the driver runs on unsharded FSDP2 parameters
-(``engines.fsdp.unshard``): forwards and this backward issue no collective.
+zeros), unless another rank's micro-batch has something (``peers``, ``engines.fsdp.lockstep``): FSDP2 then
+gathers in every forward and in the backward, so this rank makes the same calls on a stand-in (one
+predicting and one scored position: the same forwards, the same backward through every layer) and
+returns zeros; with ``with_log_probs`` its log-probs are the real ones (they do not depend on the masks).
 
 Layouts: inside a micro-batch the engine either packs rows into (1, total_nnz [+pad]) or pads them
 to (bs, max_len); every per-position mask below is built in that same layout, with ``segment``
@@ -66,10 +68,22 @@ def _layout(micro_batch: TensorDict, output_args: dict, use_remove_padding: bool
     return to_layout, unlayout, targets, segment.to(targets.device)
 
 
+def _stand_in(mask: torch.Tensor) -> torch.Tensor:
+    """A (rows, cols) bool mask that is True at the first position only (sample 0's first token in both
+    layouts)."""
+    out = torch.zeros_like(mask)
+    out[0, 0] = True
+    return out
+
+
 def gradient_micro_batch(
-    engine, micro_batch: TensorDict, cfg: OARConfig, step: int, with_log_probs: bool
+    engine, micro_batch: TensorDict, cfg: OARConfig, step: int, with_log_probs: bool, peers=None
 ) -> tuple[torch.Tensor, dict | None]:
     """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens.
+
+    ``peers`` (an ``engines.fsdp.lockstep.Lockstep``, or None on one rank / with gathered parameters):
+    every rank asks it once per micro-batch whether any rank differentiates; if one does, so does this
+    rank (on a stand-in when it has nothing to score).
 
     With ``with_log_probs`` the pass also yields verl's log-prob outputs (``log_probs``, and
     ``entropy`` if the batch asks for it, nested (bs, seq_len)), exactly as verl's ``forward_step``
@@ -95,6 +109,10 @@ def gradient_micro_batch(
         hidden = engine.model_config.hf_config.hidden_size
         noise = layout_noise(micro_batch["input_ids"].unbind(), micro_batch[REASONING].unbind(), reasoning,
                              hidden, cfg.seed, step)
+    scoring = bool(predict.any()) and bool(reasoning.any())  # else core makes no model call
+    stand_in = peers is not None and peers.anyone(scoring) and not scoring
+    if stand_in:  # the same calls as the ranks that differentiate (zero noise); the result is discarded
+        reasoning, predict = _stand_in(reasoning), _stand_in(predict)
     temp = rollout_temperature(micro_batch)  # per predicting position (N, 1), or one float
     if isinstance(temp, torch.Tensor):
         temp = temp[segment.clamp(min=0)][predict].unsqueeze(-1)
@@ -133,6 +151,8 @@ def gradient_micro_batch(
         noise=noise,
         clean_logits=clean_logits,
     )
+    if stand_in:
+        importance = torch.zeros_like(importance)
     if with_log_probs and not outputs:  # nothing to differentiate: no forward ran yet
         with torch.no_grad():
             raw, _ = head.run(model_inputs, None, full_logits=True)

@@ -8,8 +8,8 @@ not depend on the rest of the batch or on ``use_remove_padding``. verl extension
 ``engine.module`` (called with transformers' ``past_key_values`` / ``attention_mask`` /
 ``logits_to_keep``; FSDP passes keyword arguments through) and the engine's
 autocast dtype; checked against verl 0.9.1. Every pass is no-grad. The number of model calls depends
-on the data; the driver runs this on unsharded FSDP2 parameters (``engines.fsdp.unshard``), so the
-calls issue no collective and ranks may differ in how many they make.
+on the data: with several FSDP2 ranks each call first passes ``peers`` (``engines.fsdp.lockstep``), and
+the pass pads the ranks' counts to equal at its end (``engines.fsdp.importance_pass``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import torch
 from tensordict import TensorDict
 
 from verl_oar.core.config import OARConfig
-from verl_oar.engines.inputs import autocast_context
 from verl_oar.core.hf import HFRowsModel
 from verl_oar.core.perturbation import PerturbationCost
+from verl_oar.engines.fsdp.lockstep import LockstepModule
+from verl_oar.engines.inputs import autocast_context
 from verl_oar.engines.perturbation_batch import score_micro_batch
 
 
 def perturbation_micro_batch(
-    engine, micro_batch: TensorDict, cfg: OARConfig, neutral_id: int, token_budget: int | None, rows_budget: int
+    engine, micro_batch: TensorDict, cfg: OARConfig, neutral_id: int, token_budget: int | None, rows_budget: int,
+    peers=None,
 ) -> tuple[torch.Tensor, list[PerturbationCost]]:
     """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens, and
     each sample's cost.
@@ -39,10 +41,13 @@ def perturbation_micro_batch(
             ``max_token_len_per_gpu`` under dynamic batch size; ``None`` to use ``rows_budget``.
         rows_budget: verl's micro-batch size: without ``token_budget``, calls of that many of the
             micro-batch's longest sequence.
+        peers: an ``engines.fsdp.lockstep.Lockstep`` every model call first passes (several FSDP2 ranks),
+            or None.
     """
     from verl.utils.device import get_device_id
 
     micro_batch = micro_batch.to(get_device_id())
-    model = HFRowsModel(engine.module, context=lambda: autocast_context(engine), pad_id=neutral_id)
+    module = engine.module if peers is None else LockstepModule(engine.module, peers)
+    model = HFRowsModel(module, context=lambda: autocast_context(engine), pad_id=neutral_id)
     pcfg = cfg.perturbation_config(share_prefix=model.shares_cache)
     return score_micro_batch(model, micro_batch, pcfg, neutral_id, token_budget, rows_budget)

@@ -45,14 +45,6 @@ from verl_oar.engines.megatron.layout import (
 )
 
 
-def is_megatron_engine(engine) -> bool:
-    """Whether ``engine`` is verl's Megatron engine (checked by class, without importing megatron)."""
-    return any(
-        cls.__name__ == "MegatronEngine" and cls.__module__.startswith("verl.workers.engine.megatron")
-        for cls in type(engine).__mro__
-    )
-
-
 def bshd_forced_max_seqlen(engine, data: TensorDict) -> int | None:
     """The row length verl's Megatron engine pads every BSHD micro-batch to (the batch's longest
     sample, ``pad_bshd_to_minibatch_max``), as ``forward_backward_batch`` sets it; None for THD."""
