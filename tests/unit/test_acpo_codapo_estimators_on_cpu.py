@@ -133,20 +133,27 @@ def test_good_configurations_get_their_signals(estimator, extra, providers):
 
 
 class _VerlTrainer:
-    """What CoDaSampling's overrides call on verl's PPOTrainer: a dataloader fetch, a step, checkpoints."""
+    """What CoDaSampling's overrides call on verl's PPOTrainer: a dataloader fetch (fresh rows and uids each time,
+    as verl's ``_fetch_one_gen_batch``; ``input_ids`` numbers the rows drawn so far), a step, checkpoints."""
 
-    def __init__(self, config, rows):
-        self.config, self.rows, self.global_steps, self.parameter_sync_step = config, rows, 0, 1
-        self.saved = []
+    def __init__(self, config, batch_size=16):
+        self.config, self.batch_size, self.global_steps, self.parameter_sync_step = config, batch_size, 0, 1
+        self.drawn, self.saved = 0, []
 
     def _init_dataloader(self):
         self.steps_per_epoch, self.total_training_steps = 3, 3
 
     def _next_train_batch(self, num_prompts=None):
+        import uuid
+
         from verl.utils import tensordict_utils as tu
 
-        td = tu.index_select_tensor_dict(self.rows, list(range(len(self.rows))))
-        return td
+        n = num_prompts or self.batch_size
+        rows = tu.get_tensordict({"input_ids": torch.arange(self.drawn, self.drawn + n)[:, None],
+                                  "uid": np.array([str(uuid.uuid4()) for _ in range(n)], dtype=object)})
+        self.drawn += n
+        tu.assign_non_tensor_data(rows, "global_steps", self.global_steps)
+        return rows
 
     def _save_checkpoint(self):
         self.saved.append(self.global_steps)
@@ -156,10 +163,7 @@ class _VerlTrainer:
 
 
 def _trainer(tmp_path, percentile=0.75, repeat=4):
-    import uuid
-
     from omegaconf import OmegaConf
-    from verl.utils import tensordict_utils as tu
 
     from verl_oar.integration.codapo_sampling import CoDaSamplingMixin
 
@@ -169,9 +173,7 @@ def _trainer(tmp_path, percentile=0.75, repeat=4):
     config = OmegaConf.create({"algorithm": {"adv_estimator": "codapo", "codapo": {"percentile": percentile, "repeat_count": repeat}},
                                "trainer": {"total_training_steps": None, "default_local_dir": str(tmp_path), "resume_mode": "auto"},
                                "actor_rollout_ref": {"actor": {"optim": {"total_training_steps": 3}}}})
-    rows = tu.get_tensordict({"input_ids": torch.arange(16)[:, None],
-                              "uid": np.array([str(uuid.uuid4()) for _ in range(16)], dtype=object)})
-    trainer = Trainer(config, rows)
+    trainer = Trainer(config)
     trainer._coda_setup(config)
     return trainer
 
@@ -203,8 +205,8 @@ def test_codasampling_refocuses_the_second_use_on_the_top_quarter_each_its_own_g
 def test_codasampling_resume_restores_the_pending_batch_or_refuses(tmp_path):
     trainer = _trainer(tmp_path)
     trainer.global_steps = 1
-    trainer._next_train_batch()
-    trainer._refocus({u: float(i) for i, u in enumerate(trainer._coda_source["uid"])})
+    first = trainer._next_train_batch()
+    trainer._refocus({u: float(i) for i, u in enumerate(first["uid"])})
     (tmp_path / "global_step_1").mkdir()
     trainer._save_checkpoint()
     resumed = _trainer(tmp_path)
@@ -230,3 +232,59 @@ def test_codasampling_is_inert_without_codapo(tmp_path):
     trainer._coda = None
     trainer._init_dataloader()
     assert trainer.total_training_steps == 3
+
+
+# --- CoDaSampling beside DAPO's group filter (verl's v1 replay buffer evicts uniform groups and refills) ----------
+
+
+def test_codasampling_with_dapo_eviction_refocuses_on_every_trained_question_refills_included(tmp_path):
+    """Step 1: DAPO evicts 12 of the dataloader batch's 16 questions and refills 12 (more are drawn than trained:
+    the surplus is discarded, no value); the refocused batch is built from the 16 trained questions, refills too."""
+    trainer = _trainer(tmp_path)
+    trainer.global_steps = 1
+    source = trainer._next_train_batch()
+    refill = trainer._next_train_batch(num_prompts=14)                  # 12 trained + 2 discarded surplus
+    kept = list(source["uid"])[:4]
+    trained = kept + list(refill["uid"])[:12]
+    values = {u: float(v) for u, v in zip(trained, torch.randperm(16, generator=torch.Generator().manual_seed(1)).tolist())}
+    metrics = trainer._refocus(values)
+    trainer.global_steps = 2
+    second = trainer._next_train_batch()
+    ids = {u: int(i) for td in (source, refill) for u, i in zip(td["uid"], td["input_ids"][:, 0])}
+    top4 = sorted(trained, key=values.get)[-4:]
+    picked = [int(x) for x in second["input_ids"][:, 0]]
+    assert len(picked) == 16 and sorted(set(picked)) == sorted(ids[u] for u in top4)
+    assert all(picked.count(q) == 4 for q in set(picked))
+    assert metrics["codapo/sampling/refocus_skipped"] == 0 and metrics["codapo/sampling/selected_questions"] == 4
+    fresh = trainer._next_train_batch(num_prompts=3)                     # a second-use refill: fresh prompts
+    assert int(fresh["input_ids"][0, 0]) == 30 and trainer._coda_pool is None
+
+
+def test_codasampling_draws_a_fresh_batch_when_nothing_could_be_refocused_counted_and_resumable(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.global_steps = 1
+    trainer._next_train_batch()
+    metrics = trainer._refocus({})                                      # none of the pool was trained
+    assert metrics["codapo/sampling/refocus_skipped"] == 1 and metrics["codapo/sampling/selected_questions"] == 0
+    (tmp_path / "global_step_1").mkdir()
+    trainer._save_checkpoint()
+    resumed = _trainer(tmp_path)
+    resumed.global_steps = 1
+    resumed._load_checkpoint()
+    for t in (trainer, resumed):
+        t.global_steps = 2
+        batch = t._next_train_batch()
+        assert len(batch) == 16 and t._coda_copies == frozenset()        # a fresh dataloader batch, no copies
+    assert trainer.drawn == 32
+
+
+def test_codasampling_beside_dapo_passes_start_up_with_verls_gen_batch_size():
+    from _verl_config import compose_ppo_config
+
+    from verl_oar.cpu.overrides import cpu_overrides
+    from verl_oar.integration.validate import check_token_signals_supported
+
+    dapo = ["algorithm.filter_groups.enable=true"]
+    for extra in ([], ["data.gen_batch_size=1"]):  # verl sets gen_batch_size=1 under DAPO (and warns on others)
+        config = compose_ppo_config(cpu_overrides("/ws", adv_estimator="codapo") + dapo + extra)
+        assert "old_log_probs" in [p.name for p in check_token_signals_supported(config, "sync")]

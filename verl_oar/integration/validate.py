@@ -61,7 +61,8 @@ def check_token_signals_supported(config, trainer_mode: str) -> tuple:
 
 def validate_codapo(config, token_level: bool) -> None:
     """``algorithm.codapo.*``: valid keys, and a combination that takes effect: ``adv_estimator=codapo``
-    (without ``compose``), or ``compose=true`` beside another of verl-oar's token estimators."""
+    (without ``compose``), or ``compose=true`` beside another of verl-oar's token estimators. CoDaSampling beside
+    DAPO's group filter is supported (``codapo_sampling``: refills of evicted groups join the refocus pool)."""
     from verl_oar.core.codapo import CoDaPOConfig
 
     name = estimator_name(config)
@@ -80,7 +81,9 @@ def validate_codapo(config, token_level: bool) -> None:
         raise ValueError(f"algorithm.codapo.compose=true composes CoDaPO with one of verl-oar's token estimators (oar_g, "
                          f"oar_p, cscr, oppo, acpo); algorithm.adv_estimator={name} is not one of them. For CoDaPO on "
                          "GRPO's credit use algorithm.adv_estimator=codapo.")
-    if cfg.sampling and config.data.get("gen_batch_size", None) not in (None, config.data.train_batch_size):
+    filter_groups = config.algorithm.get("filter_groups", None) or {}
+    dapo = bool(filter_groups.get("enable", False))  # verl then draws prompts one at a time (gen_batch_size=1)
+    if cfg.sampling and not dapo and config.data.get("gen_batch_size", None) not in (None, config.data.train_batch_size):
         raise ValueError("CoDaSampling rebuilds a whole train batch from the previous one; data.gen_batch_size="
                          f"{config.data.gen_batch_size} differs from data.train_batch_size={config.data.train_batch_size}. "
                          "Leave data.gen_batch_size unset, or set +algorithm.codapo.sampling=false.")
