@@ -1,9 +1,10 @@
 """Two data-parallel ranks (gloo, CPU) of verl's real FSDP2 engine scoring different data, so that their
 numbers of model calls differ: OAR-P (chunk and hierarchical), OAR-G non-fused and fused into verl's
 old-log-prob pass (noisy KL and log-likelihood), with the parameters sharded (the default: equal call
-counts, ``engines.fsdp.lockstep``) and, opt-in, gathered once per pass (``algorithm.oar.gather_params``).
-Each rank's importance must equal a one-process plain-transformers reference, the fused log-probs verl's
-own ``compute_log_prob``; per pass it records the all-gathers, the model's forwards and the largest
+counts, ``engines.fsdp.lockstep``) and, opt-in, gathered once per pass (``algorithm.oar.gather_params``), on
+an fp32 worker (packed rows) and a bf16 one (padded rows). Each rank's fp32 importance must equal a
+one-process plain-transformers reference, the gathered passes' the sharded ones' bit for bit, the fused
+log-probs verl's own ``compute_log_prob``; per pass it records the all-gathers, the model's forwards and the largest
 parameter bytes unsharded at once (the storage of FSDP2's unsharded parameters, summed whenever a group
 is unsharded), beside the same count in verl's own ``compute_log_prob`` forward. Prints one
 ``RANK {json}`` line per rank.
@@ -85,17 +86,23 @@ def _count_fsdp_collectives() -> dict:
     return counts
 
 
+UNSHARDED = {"peak": 0, "group": {}, "groups": []}
+"""The largest parameter storage unsharded at once (``peak``, reset per pass), each group's unsharded bytes
+(``group``), and the FSDP2 groups of the engine being measured (``groups``); see :func:`_track_unsharded_bytes`."""
+
+
 def _track_unsharded_bytes(module) -> dict:
-    """The largest parameter storage unsharded at once: after every FSDP2 group's switch to its unsharded
+    """Measure ``module``'s FSDP2 groups into :data:`UNSHARDED`: after every group's switch to its unsharded
     parameters (torch 2.13 ``FSDPParamGroup._to_unsharded``, after the all-gather copy-out), the bytes of all
-    groups' unsharded parameter storage (``FSDPParam.all_gather_outputs``, freed on reshard) are summed.
-    Returns the live record: ``peak`` (reset it per pass) and ``group`` (each group's unsharded bytes)."""
+    groups' unsharded parameter storage (``FSDPParam.all_gather_outputs``, freed on reshard) are summed."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from verl_oar.engines.fsdp.unshard import fsdp2_modules
 
-    groups = [g for m in fsdp2_modules(module) for g in m._get_fsdp_state()._fsdp_param_groups]
-    record = {"peak": 0, "group": {}}
+    UNSHARDED.update(peak=0, group={})
+    UNSHARDED["groups"] = [g for m in fsdp2_modules(module) for g in m._get_fsdp_state()._fsdp_param_groups]
+    if getattr(FSDPParamGroup._to_unsharded, "measured", False):
+        return UNSHARDED
 
     def nbytes(group) -> int:
         return sum(t.untyped_storage().nbytes() for p in group.fsdp_params for t in p.all_gather_outputs)
@@ -104,11 +111,12 @@ def _track_unsharded_bytes(module) -> dict:
 
     def to_unsharded(self):
         original(self)
-        record["group"][id(self)] = max(record["group"].get(id(self), 0), nbytes(self))
-        record["peak"] = max(record["peak"], sum(nbytes(g) for g in groups))
+        UNSHARDED["group"][id(self)] = max(UNSHARDED["group"].get(id(self), 0), nbytes(self))
+        UNSHARDED["peak"] = max(UNSHARDED["peak"], sum(nbytes(g) for g in UNSHARDED["groups"]))
 
+    to_unsharded.measured = True
     FSDPParamGroup._to_unsharded = to_unsharded
-    return record
+    return UNSHARDED
 
 
 def hierarchical_reference(model_dir, tokenizer, prompts, responses, oar: dict, temperature: float):
@@ -160,81 +168,92 @@ def run_rank(out_dir: str, rank: int, port: str) -> None:
     model_dir = os.path.join(out_dir, "tiny_model")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base.PROMPTS[:], base.RESPONSES[:] = RANK_DATA[rank]
-    worker = base.build_worker(model_dir, use_remove_padding=True, use_dynamic_bsz=False, micro_bsz=1,
-                               param_offload=False)
-    engine = worker.actor.engine
-    assert torch.distributed.get_world_size() == WORLD
-    before = base.snapshot(engine)
     counts = _count_fsdp_collectives()
-    unsharded = _track_unsharded_bytes(engine.module)
-    forwards = [0]
-    engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     temperature = 0.8
-    passes: dict = {}
-
-    def measured(name, call):
-        counts.clear()
-        forwards[0] = 0
-        unsharded["peak"] = 0
-        out = call()
-        passes[name] = {"collectives": dict(counts), "forwards": forwards[0], "peak_bytes": unsharded["peak"]}
-        return out
-
-    def importance(oar: dict, method: str, step: int, fused: bool = False):
-        data, prompts, responses = base.make_batch(tokenizer, oar, step=step)
-        # OAR-G's reference (engine_importance_check.hf_reference) samples at temperature 1
-        tu.assign_non_tensor(data, oar_method=method, oar_config=oar, oar_step=step,
-                             temperature=temperature if method == "perturbation" else 1.0)
-        if fused:
-            tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, oar_fused=True)
-            return worker.compute_log_prob(data), prompts, responses
-        return worker.compute_token_importance(data), prompts, responses
-
-    def err(out, want):
-        return max(float((g.float() - w).abs().max()) for g, w in zip(out["oar_importance"].unbind(), want))
-
-    def scale(want):
-        return max(float(w.abs().max()) for w in want)
-
-    # verl's own old-log-prob pass: the forward level of unsharded parameters, and the fused pass's log-probs
-    plain, _, _ = base.make_batch(tokenizer, {}, step=3)
-    tu.assign_non_tensor(plain, temperature=1.0, calculate_entropy=True, compute_loss=False)
-    verl_out = measured("verl_log_prob", lambda: worker.compute_log_prob(plain))
-    whole = sum(unsharded["group"].values())  # every group was unsharded once in that forward
-
-    results: dict = {}
-    p_modes = {"p_chunk": {"outcome": "mean", "perturb_mode": "chunk", "perturb_budget": 3},
-               "p_hier": {"outcome": "mean", "perturb_mode": "hierarchical", "perturb_budget": 3,
-                          "perturb_refine_top": 1, "perturb_refine_unit": 2},
-               "p_gathered": {"outcome": "mean", "perturb_mode": "chunk", "perturb_budget": 3, "gather_params": True}}
-    for name, oar in p_modes.items():
-        out, prompts, responses = measured(name, lambda oar=oar: importance(oar, "perturbation", 1))
-        reference = hierarchical_reference if oar["perturb_mode"] == "hierarchical" else naive_reference
-        want = reference(model_dir, tokenizer, prompts, responses, oar, temperature)
-        results[name] = {"err": err(out, want), "scale": scale(want), "copies": out["oar_perturb_copies"].tolist()}
-
     noisy = {"objective": "noisy_kl", "saliency": "grad_x_input", "outcome": "mean"}
     loglik = {"objective": "loglik", "saliency": "grad_x_input", "outcome": "mean"}
-    g_modes = {"g_noisy": (noisy, False), "g_fused_noisy": (noisy, True), "g_fused_loglik": (loglik, True),
-               "g_gathered": ({**noisy, "gather_params": True}, False)}
-    for name, (oar, fused) in g_modes.items():
-        out, prompts, responses = measured(name, lambda oar=oar, fused=fused: importance(oar, "gradient", 3, fused))
-        want = base.hf_reference(model_dir, tokenizer, prompts, responses, oar, 3)
-        results[name] = {"err": err(out, want), "scale": scale(want),
-                         "answers": [int(a.any()) for a in out["oar_answer_mask"].unbind()]}
-        if fused:
-            results[name]["log_probs_identical"] = base.bitwise_equal(out["log_probs"], verl_out["log_probs"])
-            results[name]["entropy_identical"] = base.bitwise_equal(out["entropy"], verl_out["entropy"])
+    chunk = {"outcome": "mean", "perturb_mode": "chunk", "perturb_budget": 3}
+    hier = {"outcome": "mean", "perturb_mode": "hierarchical", "perturb_budget": 3, "perturb_refine_top": 1,
+            "perturb_refine_unit": 2}
 
-    after = base.snapshot(engine)
-    sharded = all(isinstance(p, DTensor) for p in engine.module.parameters())
-    shard_shapes = all(before["params"][n].shape == p.to_local().shape for n, p in engine.module.named_parameters())
-    print("RANK " + json.dumps({
-        "rank": rank, "results": results, "passes": passes, "whole_model_bytes": whole,
-        "fsdp_modules": len(fsdp2_modules(engine.module)),
-        "state_unchanged": base.same(before, after),
-        "sharded_after": sharded and shard_shapes,
-    }), flush=True)
+    def on_worker(prefix: str, passes_to_run: dict, **settings) -> dict:
+        """Build a worker, measure verl's own old-log-prob pass then each of ``passes_to_run``
+        (name -> (oar config, method, fused)); returns what the launcher prints for this worker."""
+        worker = base.build_worker(model_dir, use_dynamic_bsz=False, micro_bsz=1, param_offload=False, **settings)
+        engine = worker.actor.engine
+        before = base.snapshot(engine)
+        unsharded = _track_unsharded_bytes(engine.module)
+        forwards = [0]
+        engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        passes: dict = {}
+
+        def measured(name, call):
+            counts.clear()
+            forwards[0] = 0
+            unsharded["peak"] = 0
+            out = call()
+            passes[name] = {"collectives": dict(counts), "forwards": forwards[0], "peak_bytes": unsharded["peak"]}
+            return out
+
+        # verl's own old-log-prob pass: the forward level of unsharded parameters, and the fused passes' log-probs
+        plain, _, _ = base.make_batch(tokenizer, {}, step=3)
+        tu.assign_non_tensor(plain, temperature=1.0, calculate_entropy=True, compute_loss=False)
+        verl_out = measured("verl_log_prob", lambda: worker.compute_log_prob(plain))
+        whole = sum(unsharded["group"].values())  # every group was unsharded once in that forward
+
+        outputs, results = {}, {}
+        for name, (oar, method, fused) in passes_to_run.items():
+            data, prompts, responses = base.make_batch(tokenizer, oar, step=3)
+            # OAR-G's reference (engine_importance_check.hf_reference) samples at temperature 1
+            tu.assign_non_tensor(data, oar_method=method, oar_config=oar, oar_step=3,
+                                 temperature=temperature if method == "perturbation" else 1.0)
+            if fused:
+                tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, oar_fused=True)
+            run = worker.compute_log_prob if fused else worker.compute_token_importance
+            out = outputs[name] = measured(name, lambda run=run, data=data: run(data))
+            results[name] = {"answers": [int(a.any()) for a in out["oar_answer_mask"].unbind()]}
+            if method == "perturbation":
+                results[name]["copies"] = out["oar_perturb_copies"].tolist()
+            if fused:
+                results[name]["log_probs_identical"] = base.bitwise_equal(out["log_probs"], verl_out["log_probs"])
+                results[name]["entropy_identical"] = base.bitwise_equal(out["entropy"], verl_out["entropy"])
+            if settings.get("param_dtype", "fp32") == "fp32":  # plain-transformers reference, fp32
+                if method == "perturbation":
+                    reference = hierarchical_reference if oar["perturb_mode"] == "hierarchical" else naive_reference
+                    want = reference(model_dir, tokenizer, prompts, responses, oar, temperature)
+                else:
+                    want = base.hf_reference(model_dir, tokenizer, prompts, responses, oar, 3)
+                results[name]["err"] = max(float((g.float() - w).abs().max())
+                                           for g, w in zip(out["oar_importance"].unbind(), want))
+                results[name]["scale"] = max(float(w.abs().max()) for w in want)
+        for name in passes_to_run:  # the gathered pass computes the same numbers from the same parameters
+            if name.endswith("_gathered"):
+                sharded = name[: -len("_gathered")]
+                results[name]["identical_to_sharded"] = base.bitwise_equal(
+                    outputs[name]["oar_importance"], outputs[sharded]["oar_importance"])
+        after = base.snapshot(engine)
+        sharded_after = all(isinstance(p, DTensor) for p in engine.module.parameters()) and all(
+            before["params"][n].shape == p.to_local().shape for n, p in engine.module.named_parameters())
+        return {"results": {prefix + k: v for k, v in results.items()},
+                "passes": {prefix + k: v for k, v in passes.items()},
+                "whole_model_bytes": whole, "fsdp_modules": len(fsdp2_modules(engine.module)),
+                "state_unchanged": base.same(before, after), "sharded_after": sharded_after}
+
+    fp32 = on_worker("", {
+        "p_chunk": (chunk, "perturbation", False), "p_hier": (hier, "perturbation", False),
+        "p_chunk_gathered": ({**chunk, "gather_params": True}, "perturbation", False),
+        "g_noisy": (noisy, "gradient", False), "g_fused_noisy": (noisy, "gradient", True),
+        "g_fused_loglik": (loglik, "gradient", True),
+        "g_noisy_gathered": ({**noisy, "gather_params": True}, "gradient", False),
+    }, use_remove_padding=True)
+    # bf16 mixed precision as real runs, rows padded instead of packed: sharded vs gathered bit for bit
+    bf16 = on_worker("bf16_", {
+        "p_chunk": (chunk, "perturbation", False),
+        "p_chunk_gathered": ({**chunk, "gather_params": True}, "perturbation", False),
+        "g_fused_noisy": (noisy, "gradient", True),
+        "g_fused_noisy_gathered": ({**noisy, "gather_params": True}, "gradient", True),
+    }, use_remove_padding=False, param_dtype="bf16")
+    print("RANK " + json.dumps({"rank": rank, "fp32": fp32, "bf16": bf16}), flush=True)
     torch.distributed.destroy_process_group()
 
 
