@@ -9,8 +9,12 @@ parameter bytes unsharded at once (the storage of FSDP2's unsharded parameters, 
 is unsharded), beside the same count in verl's own ``compute_log_prob`` forward. Prints one
 ``RANK {json}`` line per rank.
 
-    VERL_PLATFORM=cpu python tests/engine/engine_multirank_check.py OUT_DIR       # launcher: spawns 2 ranks
-    (a rank: ... engine_multirank_check.py OUT_DIR --rank R --port P)
+    VERL_PLATFORM=cpu python tests/engine/engine_multirank_check.py OUT_DIR [TIMEOUT]   # launcher: spawns 2 ranks
+    python tests/engine/engine_multirank_check.py OUT_DIR 600 --cuda    # 2 GPUs, NCCL (prepared, not run here)
+    (a rank: ... engine_multirank_check.py OUT_DIR --rank R --port P [--cuda])
+
+``--cuda``: each rank on its own GPU (``cuda:RANK``) under verl's NVIDIA platform, NCCL; needs two GPUs (NCCL
+refuses two ranks on one device). The references stay plain transformers on the CPU.
 """
 
 from __future__ import annotations
@@ -40,16 +44,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out_dir: str, timeout: float) -> int:
+def launch(out_dir: str, timeout: float, cuda: bool = False) -> int:
     """Build the model, run both ranks, echo their output; exit code 0 iff both ranks exited 0."""
-    os.environ.setdefault("VERL_PLATFORM", "cpu")
+    os.environ.setdefault("VERL_PLATFORM", "nvidia" if cuda else "cpu")
     sys.path.insert(0, HERE)
     from engine_importance_check import build_model_dir
 
     build_model_dir(out_dir)
     port = str(_free_port())
     procs = [
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), out_dir, "--rank", str(r), "--port", port],
+        subprocess.Popen([sys.executable, os.path.abspath(__file__), out_dir, "--rank", str(r), "--port", port,
+                          *(["--cuda"] if cuda else [])],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE)
         for r in range(WORLD)
     ]
@@ -152,9 +157,9 @@ def hierarchical_reference(model_dir, tokenizer, prompts, responses, oar: dict, 
     return out
 
 
-def run_rank(out_dir: str, rank: int, port: str) -> None:
-    os.environ.update(VERL_PLATFORM="cpu", RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
+    os.environ.update(VERL_PLATFORM="nvidia" if cuda else "cpu", RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     sys.path.insert(0, HERE)
     import engine_importance_check as base
     import torch
@@ -179,7 +184,8 @@ def run_rank(out_dir: str, rank: int, port: str) -> None:
     def on_worker(prefix: str, passes_to_run: dict, **settings) -> dict:
         """Build a worker, measure verl's own old-log-prob pass then each of ``passes_to_run``
         (name -> (oar config, method, fused)); returns what the launcher prints for this worker."""
-        worker = base.build_worker(model_dir, use_dynamic_bsz=False, micro_bsz=1, param_offload=False, **settings)
+        worker = base.build_worker(model_dir, use_dynamic_bsz=False, micro_bsz=1, param_offload=False,
+                                   extra=("trainer.device=cuda",) if cuda else (), **settings)
         engine = worker.actor.engine
         before = base.snapshot(engine)
         unsharded = _track_unsharded_bytes(engine.module)
@@ -258,8 +264,11 @@ def run_rank(out_dir: str, rank: int, port: str) -> None:
 
 
 if __name__ == "__main__":
+    on_cuda = "--cuda" in sys.argv
     if "--rank" in sys.argv:
-        run_rank(sys.argv[1], int(sys.argv[sys.argv.index("--rank") + 1]), sys.argv[sys.argv.index("--port") + 1])
+        run_rank(sys.argv[1], int(sys.argv[sys.argv.index("--rank") + 1]), sys.argv[sys.argv.index("--port") + 1],
+                 on_cuda)
     else:
-        timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 240.0
-        sys.exit(launch(sys.argv[1], timeout))
+        positional = [a for a in sys.argv[1:] if not a.startswith("--")]
+        timeout = float(positional[1]) if len(positional) > 1 else 240.0
+        sys.exit(launch(positional[0], timeout, on_cuda))

@@ -10,6 +10,8 @@ model, which shows the count sees such a gather), with the same bits. Each rank'
 one-process plain-transformers reference, the fused log-probs and entropy are verl's own bit for bit, and
 parameters, grads and optimizer state come back unchanged and sharded.
 
+With ``OAR_MULTIRANK_CUDA=1`` the same checks run on two GPUs under NCCL (needs a machine with two).
+
 Tolerance as in test_engine_perturbation_on_cpu.py (OAR-P, 1e-2 x scale) and
 test_engine_importance_on_cpu.py (OAR-G, 1e-3 x scale).
 """
@@ -39,8 +41,9 @@ def _gathered(worker: dict) -> list[str]:
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine_multirank")
     env = {**os.environ, "VERL_PLATFORM": "cpu"}
+    cuda = ["--cuda"] if os.environ.get("OAR_MULTIRANK_CUDA") == "1" else []  # 2 GPUs, NCCL (see the check)
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "engine_multirank_check.py"), str(out), "240"],
+        [sys.executable, os.path.join(HERE, "engine_multirank_check.py"), str(out), "240", *cuda],
         capture_output=True, text=True, timeout=300, env=env, cwd=HERE, check=False,
     )
     lines = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("RANK ")]

@@ -280,5 +280,48 @@ def test_engine_type_is_recognised_by_class_without_importing_megatron():
     assert is_megatron_engine(with_lm_head()) and not is_megatron_engine(fsdp())
 
 
+
+def test_the_backend_seam_hands_megatron_its_micro_batches_with_verls_bshd_row_length(monkeypatch):
+    """The driver's seam (``engines.backend.importance_pass``) picks the Megatron pass for verl's Megatron
+    engine, which pads every BSHD micro-batch to the batch's longest sample as verl's
+    ``forward_backward_batch`` does (``pad_bshd_to_minibatch_max``), and calls the Megatron functions."""
+    from types import SimpleNamespace
+
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    import verl_oar.engines.megatron.gradient as gradient
+    import verl_oar.engines.megatron.perturbation as perturbation
+    from verl_oar.core.config import OARConfig
+    from verl_oar.engines.backend import importance_pass
+    from verl_oar.engines.megatron import MegatronImportancePass
+
+    calls = []
+    def record(kind, answer):
+        return lambda *a: calls.append((kind, a)) or answer
+
+    monkeypatch.setattr(gradient, "megatron_gradient_micro_batch", record("g", ("G", None)))
+    monkeypatch.setattr(perturbation, "megatron_perturbation_micro_batch", record("p", ("P", [])))
+    megatron_cls = type("MegatronEngine", (), {"__module__": "verl.workers.engine.megatron.transformer_impl"})
+
+    def batch(lengths):
+        ids = torch.nested.as_nested_tensor([torch.zeros(n, dtype=torch.long) for n in lengths], layout=torch.jagged)
+        return TensorDict({"input_ids": ids}, batch_size=[len(lengths)])
+
+    cfg = OARConfig()
+    for rmpad, pad_to_max, want in ((False, True, 7), (True, True, None), (False, False, None)):
+        calls.clear()
+        engine = megatron_cls()
+        engine.engine_config = SimpleNamespace(use_remove_padding=rmpad, pad_bshd_to_minibatch_max=pad_to_max)
+        with importance_pass(engine, batch([3, 7, 5]), cfg) as engine_pass:
+            assert isinstance(engine_pass, MegatronImportancePass)
+            first, second = batch([3]), batch([7, 5])
+            assert engine_pass.gradient(first, cfg, 2, True) == ("G", None)
+            assert engine_pass.perturbation(second, cfg, 0, None, 1) == ("P", [])
+        assert [c[0] for c in calls] == ["g", "p"] and calls[0][1] == (engine, first, cfg, 2, True), calls
+        assert calls[1][1] == (engine, second, cfg, 0, None, 1), calls
+        for micro_batch in (first, second):
+            assert tu.get_non_tensor_data(micro_batch, key="forced_max_seqlen", default=None) == want
+
 if __name__ == "__main__":
     run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -5,7 +5,11 @@ own forward, the ranks' calls kept equal by ``engines.fsdp.lockstep`` (OAR-P: a 
 padding forwards at the end; OAR-G: the same forwards and backward on a micro-batch with nothing to score
 when another rank has something) and the root group kept unsharded for the pass
 (``engines.fsdp.unshard.root_unsharded_for_importance``). With ``algorithm.oar.gather_params=True`` the
-whole model is gathered once instead and calls may differ. On one rank nothing needs to match.
+whole model is gathered once instead and calls may differ. On one rank nothing needs to match. FSDP1
+(``strategy=fsdp``) gathers per wrapped unit in every call too: its calls are kept equal the same way (it has
+no root to keep unsharded: FSDP1 does not free a ``FULL_SHARD`` root after forward), though OAR refuses FSDP1
+with several data-parallel ranks at start-up (verl's FSDP1 engine cannot be built on a CPU, so this path is
+untested).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def fsdp_importance_pass(engine, data: TensorDict, cfg: OARConfig):
     """The pass's context on every rank (inside ``engine.eval_mode()``), yielding :class:`FSDPImportancePass`;
     on a normal exit a rank whose model calls are done pads until no rank calls."""
     del data  # nothing of the batch shapes an FSDP pass
-    if cfg.gather_params or not fsdp2_modules(engine.module):
+    if cfg.gather_params and fsdp2_modules(engine.module):
         with unsharded_for_importance(engine):
             yield FSDPImportancePass(engine, None)
         return
