@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from verl_oar.core.config import algorithm_node
+from verl_oar.core.reshape import linear_quantile
 
-__all__ = ["CoDaPOConfig", "question_values", "refocused_order", "select_questions"]
+__all__ = ["CoDaPOConfig", "codapo_stats", "question_values", "refocused_order", "select_questions"]
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,28 @@ def question_values(rewards: Tensor, log_probs: Tensor, mask: Tensor, groups: Te
     return value[local], parts
 
 
+def codapo_stats(value: Tensor, parts: dict[str, Tensor]) -> dict[str, float]:
+    """Per-step metrics (``codapo/...``) of :func:`question_values`' output over the rows given (each row counts its
+    question once per response): the value's mean, min and max, and the means of its parts."""
+    if value.numel() == 0:
+        return {}
+    v = value.double()
+    return {
+        "codapo/value/mean": float(v.mean()), "codapo/value/min": float(v.min()), "codapo/value/max": float(v.max()),
+        "codapo/confidence/mean": float(parts["confidence"].mean()),
+        "codapo/difficulty_value/mean": float(parts["difficulty_value"].mean()),
+        "codapo/accuracy/mean": float(parts["accuracy"].mean()),
+    }
+
+
 def select_questions(values: Sequence[float], percentile: float) -> list[int]:
     """Indices (in order) of the questions whose value is >= the ``percentile``-quantile of ``values``
-    (``torch.quantile``, linear interpolation, as the authors' code); ties can select more."""
+    (``torch.quantile``'s linear interpolation, as the authors' code, at any size: ``core.reshape.linear_quantile``);
+    ties can select more."""
     v = torch.as_tensor(list(values), dtype=torch.float64)
     if v.numel() == 0:
         return []
-    tau = torch.quantile(v, percentile)
+    tau = linear_quantile(v, percentile)
     return [i for i, x in enumerate(v.tolist()) if x >= float(tau)]
 
 

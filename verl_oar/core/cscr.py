@@ -32,6 +32,7 @@ from torch import Tensor
 
 from verl_oar.core.config import algorithm_node
 from verl_oar.core.privileged_prompt import CSCR_NEGATIVE, CSCR_POSITIVE, OVERFLOWS, check_template
+from verl_oar.core.reshape import linear_quantile
 
 __all__ = ["CSCRConfig", "CSCRResult", "attenuation_weights", "cscr_advantages", "cscr_stats", "sensitivity"]
 
@@ -122,11 +123,12 @@ def sensitivity(pos_shift: Tensor, neg_shift: Tensor, mask: Tensor, kind: str = 
 
 def resolve_threshold(sens: Tensor, mask: Tensor, cfg: CSCRConfig) -> float:
     """tau in nats: ``cfg.threshold`` itself, or its quantile over the valid tokens' sensitivities
-    (linear interpolation; +inf for a batch without valid tokens: nothing attenuated)."""
+    (torch.quantile's linear interpolation, at any batch size: ``core.reshape.linear_quantile``; +inf for a
+    batch without valid tokens: nothing attenuated)."""
     if cfg.threshold_mode == "absolute":
         return float(cfg.threshold)
     values = sens[mask.bool()]
-    return float(torch.quantile(values, cfg.threshold)) if values.numel() else math.inf
+    return float(linear_quantile(values, cfg.threshold)) if values.numel() else math.inf
 
 
 def attenuation_weights(sens: Tensor, mask: Tensor, tau: float, cfg: CSCRConfig) -> Tensor:

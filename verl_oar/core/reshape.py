@@ -42,6 +42,7 @@ __all__ = [
     "ReshapeConfig",
     "TokenWeights",
     "importance_to_weights",
+    "linear_quantile",
     "reshape_advantages",
     "reshape_stats",
 ]
@@ -215,6 +216,26 @@ def importance_to_weights(
         fallback=fallback,
         unnormalized=w.to(torch.float32),
     )
+
+
+def linear_quantile(values: Tensor, level: float) -> Tensor:
+    """``torch.quantile(values, level)`` (linear interpolation) of a 1-D tensor of any size, as a 0-d tensor of
+    ``values``' dtype: torch.quantile refuses more than 2^24 elements (a batch's tokens at cluster sizes).
+
+    The same arithmetic as torch's: rank ``r = level * (n - 1)`` in ``values``' dtype, the order statistics at
+    ``floor(r)`` and ``ceil(r)`` (``torch.kthvalue``: two linear-time selections, no full sort), ``torch.lerp``
+    between them with weight ``r - floor(r)``; NaN if any value is NaN. Raises on an empty tensor."""
+    if values.dim() != 1 or values.numel() == 0:
+        raise ValueError(f"linear_quantile: a non-empty 1-D tensor, got shape {tuple(values.shape)}")
+    if not 0.0 <= level <= 1.0:
+        raise ValueError(f"linear_quantile: level {level} is not in [0, 1]")
+    if torch.isnan(values).any():
+        return torch.tensor(math.nan, dtype=values.dtype, device=values.device)
+    rank = torch.tensor(level, dtype=values.dtype) * (values.numel() - 1)
+    lo, hi = int(rank.floor()), int(rank.ceil())
+    below = torch.kthvalue(values, lo + 1).values
+    above = below if hi == lo else torch.kthvalue(values, hi + 1).values
+    return torch.lerp(below, above, (rank - lo).to(values.device))
 
 
 def _masked_quantile(values: Tensor, mask: Tensor, level: float) -> Tensor:

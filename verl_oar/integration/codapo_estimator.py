@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verl_oar.core.codapo import CoDaPOConfig, question_values
+from verl_oar.core.codapo import CoDaPOConfig, codapo_stats, question_values
 from verl_oar.core.oppo import group_ids
 from verl_oar.integration import log_prob_signal  # noqa: F401  (registers the old_log_probs provider)
 from verl_oar.integration.reward_signal import verifier_rewards
@@ -45,13 +45,7 @@ def question_value(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     value, parts = question_values(rewards, signals["old_log_probs"], response_mask, _groups(index, signals),
                                    cfg.weight_offset)
     rows = signals.real_rows if signals.real_rows is not None else slice(None)
-    v = value[rows]
-    signals.metrics.update({
-        "codapo/value/mean": float(v.mean()), "codapo/value/min": float(v.min()), "codapo/value/max": float(v.max()),
-        "codapo/confidence/mean": float(parts["confidence"][rows].mean()),
-        "codapo/difficulty_value/mean": float(parts["difficulty_value"][rows].mean()),
-        "codapo/accuracy/mean": float(parts["accuracy"][rows].mean()),
-    })
+    signals.metrics.update(codapo_stats(value[rows], {k: p[rows] for k, p in parts.items()}))
     signals.artifacts.update(codapo_value=value.float(), rewards=rewards)
     return value.float()
 
