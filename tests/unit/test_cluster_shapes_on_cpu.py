@@ -228,3 +228,15 @@ def test_a_multi_turn_responses_tool_tokens_are_context_not_reasoning(tokenizer)
     assert (reasoning[0].bool() & ~mask.bool()).sum() == 0                     # no tool token is reasoning
     assert reasoning[0].sum() == len(model_part) + len(enc("So "))
     assert tokenizer.decode(response[answer[0].bool()]) == "7"
+
+
+def test_group_ids_give_each_padding_row_a_group_of_its_own_for_every_estimator():
+    """core.groups.group_ids is the one grouping (OPPO's prior, CoDaPO's accuracy, CoDaSampling's values): real rows
+    by uid in order of first appearance, each of verl's synthetic padding rows alone, whatever uid it carries."""
+    from verl_oar.core.groups import group_ids
+
+    index = ["a", "b", "a", "pad", "pad", "b"]
+    assert group_ids(index).tolist() == [0, 1, 0, 2, 2, 1]
+    real = torch.tensor([True, True, True, False, False, True])
+    assert group_ids(index, real).tolist() == [0, 1, 0, 2, 3, 1]
+    assert group_ids(["a", "a"], torch.tensor([True, False])).tolist() == [0, 1]  # a padding row copying a real uid

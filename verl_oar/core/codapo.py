@@ -76,7 +76,7 @@ def question_values(rewards: Tensor, log_probs: Tensor, mask: Tensor, groups: Te
     """Steps 1-4 for every row: (v (bs,) float64, each row its question's value; parts {"accuracy",
     "difficulty_value", "confidence"}, each (bs,) float64). ``rewards``: (bs,) outcome rewards (a row counts
     as right when exactly 1.0, as the authors' code); ``log_probs``: (bs, T) old log-probs; ``mask``:
-    (bs, T) valid tokens; ``groups``: (bs,) long group ids (``core.oppo.group_ids``)."""
+    (bs, T) valid tokens; ``groups``: (bs,) long group ids (``core.groups.group_ids``)."""
     if log_probs.shape != mask.shape or rewards.shape != mask.shape[:1] or groups.shape != rewards.shape:
         raise ValueError(f"CoDaPO: rewards {tuple(rewards.shape)}, log-probs {tuple(log_probs.shape)}, mask "
                          f"{tuple(mask.shape)} and groups {tuple(groups.shape)} must be (bs,), (bs, T), (bs, T), (bs,)")

@@ -26,14 +26,14 @@ its own sequence total, ``(R - V_0) / T`` per token, before steps 7-8. Float64 i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Hashable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
 from verl_oar.core.config import algorithm_node
+from verl_oar.core.groups import group_ids  # noqa: F401  (re-exported: OPPO's groups are GRPO's)
 from verl_oar.core.privileged_prompt import OPPO_ORACLE, OVERFLOWS, check_template
 
 __all__ = ["OPPOConfig", "OPPOResult", "group_ids", "oppo_advantages", "oppo_stats"]
@@ -151,12 +151,6 @@ class OPPOResult:
     """(bs,) bool: rows of a group with one reward (advantage 0 when ``zero_uniform_groups``)"""
 
 
-def group_ids(index: Sequence[Hashable]) -> Tensor:
-    """(bs,) int64 group number of every row, from verl's ``index`` (the rollout ``uid`` per row)."""
-    numbers: dict[Hashable, int] = {}
-    return torch.tensor([numbers.setdefault(key, len(numbers)) for key in index], dtype=torch.long)
-
-
 def _group_mean_std(values: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per row: its group's mean, unbiased std (0 for a group of one) and whether all its values are equal."""
     n = int(groups.max()) + 1 if groups.numel() else 0
@@ -173,8 +167,8 @@ def _group_mean_std(values: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Ten
 def oppo_advantages(evidence: Tensor, rewards: Tensor, groups: Tensor, mask: Tensor, cfg: OPPOConfig,
                     scored: Tensor | None = None) -> OPPOResult:
     """OPPO's token advantages. ``evidence``: (bs, T) e_t in nats; ``rewards``: (bs,) R in [0, 1];
-    ``groups``: (bs,) group numbers (:func:`group_ids`); ``mask``: (bs, T) valid tokens; ``scored``: (bs,) bool,
-    False on rows the oracle pass could not score (None: every row was scored).
+    ``groups``: (bs,) group numbers (``core.groups.group_ids``); ``mask``: (bs, T) valid tokens; ``scored``:
+    (bs,) bool, False on rows the oracle pass could not score (None: every row was scored).
 
     A row that was not scored keeps broadcast credit of its own sequence total: ``A_t = (R - V_0) / T`` on each of
     its ``T`` valid tokens (what the exact form with ``terminal=last_token`` sums to), then scaled and zeroed like

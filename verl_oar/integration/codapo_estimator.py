@@ -2,14 +2,14 @@
 value (``core.codapo``) times GRPO's advantage, or times another estimator's token advantages
 (``+algorithm.codapo.compose=true``). Importing this module registers both.
 
-verl extension points: ``verl.trainer.ppo.core_algos.register_adv_est`` (via ``signals.register_token_estimator``)
+verl extension points: ``verl.trainer.ppo.core_algos.register_adv_est`` (via ``token_estimator.register_estimator``)
 and the plugin's composer hook (``signals.register_advantage_composer``), which applies the value to the
 advantages of ``oar_g``, ``oar_p``, ``cscr``, ``oppo`` and ``acpo`` after they are computed. The confidence
 reads verl's ``old_log_probs`` (``log_prob_signal``), the accuracy the verifier's score (``rm_scores``,
 ``reward_signal``), never ``token_level_rewards``: with ``algorithm.use_kl_in_reward=true`` those carry the KL
 penalty on every token and no response would count as right (every value would be ``weight_offset``). The GRPO
-advantage that the value scales is verl's, from ``token_level_rewards`` (KL included, as in verl's GRPO). CoDaSampling, the batch's second use, is
-``codapo_sampling`` (a trainer mixin).
+advantage that the value scales is verl's, from ``token_level_rewards`` (KL included, as in verl's GRPO).
+CoDaSampling, the batch's second use, is ``codapo_sampling`` (a trainer mixin).
 
 How value and token credit interact: the value ``v_q >= weight_offset >= 0`` is one number per question, so
 it scales every token of every response of the question alike: each token keeps the sign the inner
@@ -20,49 +20,39 @@ sign violations) are of its advantages before the value; ``codapo/*`` are of the
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from verl_oar.core.codapo import CoDaPOConfig, codapo_stats, question_values
-from verl_oar.core.oppo import group_ids
 from verl_oar.integration import log_prob_signal  # noqa: F401  (registers the old_log_probs provider)
 from verl_oar.integration.reward_signal import verifier_rewards
-from verl_oar.integration.estimators import grpo_advantage
-from verl_oar.integration.signals import keyword_signals, register_advantage_composer, register_token_estimator
+from verl_oar.integration.signals import register_advantage_composer
+from verl_oar.integration.token_estimator import EstimatorBatch, TokenEstimator, register_estimator
+
+NEEDS = ("old_log_probs", "verifier_scores")
 
 
-def _groups(index, signals) -> torch.Tensor:
-    """Group ids; verl's synthetic padding rows copy a real row's uid, so each gets a group of its own."""
-    real = signals.real_rows
-    return group_ids([key if real is None or bool(real[i]) else f"verl_oar_padding_{i}" for i, key in enumerate(index)])
-
-
-def question_value(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, config, signals
-                   ) -> torch.Tensor:
+def question_value(b: EstimatorBatch) -> torch.Tensor:
     """(bs,) float32 v_q of every row's question; logs ``codapo/*`` and keeps ``codapo_value`` for dumps."""
-    cfg = CoDaPOConfig.from_algorithm(config)
-    rewards = verifier_rewards(signals, response_mask)  # not token_level_rewards: KL-free, so a right answer is 1.0
-    value, parts = question_values(rewards, signals["old_log_probs"], response_mask, _groups(index, signals),
-                                   cfg.weight_offset)
-    rows = signals.real_rows if signals.real_rows is not None else slice(None)
-    signals.metrics.update(codapo_stats(value[rows], {k: p[rows] for k, p in parts.items()}))
-    signals.artifacts.update(codapo_value=value.float(), rewards=rewards)
+    cfg = CoDaPOConfig.from_algorithm(b.algorithm)
+    rewards = verifier_rewards(b.signals, b.response_mask)  # not token_level_rewards: KL-free, so a right answer is 1.0
+    value, parts = question_values(rewards, b["old_log_probs"], b.response_mask, b.groups, cfg.weight_offset)
+    b.signals.metrics.update(codapo_stats(*b.real(value, parts)))
+    b.signals.artifacts.update(codapo_value=value.float(), rewards=rewards)
     return value.float()
 
 
-@register_token_estimator("codapo", needs=("old_log_probs", "verifier_scores"))
-def compute_codapo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray,
-                             config=None, epsilon: float = 1e-6, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``codapo``: A_{i,t} = v_q * A^GRPO_i (the authors' ``compute_codapo_advantage``). Returns (advantages,
-    returns), both (bs, response_len), 0 on padding."""
-    signals = keyword_signals("codapo", response_mask, kwargs)
-    norm_by_std = bool((config or {}).get("norm_adv_by_std_in_grpo", True))
-    grpo = grpo_advantage(token_level_rewards, response_mask, index, epsilon, norm_by_std, signals.session_final)
-    value = question_value(token_level_rewards, response_mask, index, config, signals)
-    advantages = value[:, None] * grpo * response_mask
-    signals.artifacts.update(grpo_advantages=grpo, advantages=advantages,
-                             weights=value[:, None] * response_mask.float())  # a per-question weight, flat over tokens
-    return advantages, advantages
+class CoDaPO(TokenEstimator):
+    """A_{i,t} = v_q * A^GRPO_i (the authors' ``compute_codapo_advantage``)."""
+
+    name, needs = "codapo", NEEDS
+
+    def advantages(self, b):
+        value = question_value(b)
+        b.keep(weights=value[:, None] * b.response_mask.float())  # a per-question weight, flat over tokens
+        return value[:, None] * b.grpo, None
+
+
+compute_codapo_advantage = register_estimator(CoDaPO)
 
 
 def composing(algorithm) -> bool:
@@ -71,13 +61,13 @@ def composing(algorithm) -> bool:
     return bool(node.get("compose", False))
 
 
-@register_advantage_composer("codapo", active=composing, needs=("old_log_probs", "verifier_scores"))
+@register_advantage_composer("codapo", active=composing, needs=NEEDS)
 def compose_question_value(estimator: str, advantages: torch.Tensor, token_level_rewards: torch.Tensor,
                            response_mask: torch.Tensor, index, config, signals) -> torch.Tensor:
     """The inner estimator's (bs, response_len) advantages times its rows' question values."""
     if estimator == "codapo":  # already applied (and refused at start-up with compose)
         return advantages
-    value = question_value(token_level_rewards, response_mask, index, config, signals)
-    composed = value[:, None] * advantages
+    b = EstimatorBatch(estimator, token_level_rewards, response_mask, index, config, 1e-6, signals)
+    composed = question_value(b)[:, None] * advantages
     signals.artifacts.update(advantages=composed, inner_advantages=advantages)
     return composed

@@ -135,7 +135,7 @@ class CoDaSamplingMixin:
         equal-compute metrics), from one TransferQueue read; verl's synthetic padding rows left out."""
         import transfer_queue as tq
 
-        from verl_oar.core.oppo import group_ids
+        from verl_oar.core.groups import group_ids
 
         keys = [k for k, tag in zip(batch.keys, batch.tags) if not (tag or {}).get("is_padding", False)]
         data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id,
