@@ -95,6 +95,11 @@ def _oar_trainer_sync(base):
 
         def __init__(self, config, *args, **kwargs):
             self._token_signals = check_token_signals_supported(config, "sync")
+            if self._token_signals:  # the pass's memory per GPU, logged (memory_check); a bad VERL_OAR_MEMORY_CHECK stops
+                from verl_oar.integration.memory_check import check_action, log_startup_estimate
+
+                check_action()
+                log_startup_estimate(config)
             self._coda_setup(config)
             self._guards = [p.guard(config) for p in self._token_signals if p.guard is not None]
             super().__init__(config, *args, **kwargs)
@@ -106,6 +111,9 @@ def _oar_trainer_sync(base):
 
                 ref_scores = (self.config.algorithm.get("oar", None) or {}).get("importance_model", "actor") == "ref"
                 with_oar_worker(self.role_worker_mapping, estimator_name(self.config), ref_scores=ref_scores)
+                from verl_oar.integration.memory_check import attach_memory_check
+
+                attach_memory_check(self.config)  # what each worker compares with its GPU once its models are built
                 for provider in self._token_signals:
                     if provider.attach is not None:
                         provider.attach(self.config)

@@ -26,13 +26,16 @@ class OARWorkerMixin:
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
-        """verl's models, then OPPO's teacher when the trainer attached one (``actor_rollout_ref.oar_teacher``)."""
+        """verl's models, then OPPO's teacher when the trainer attached one (``actor_rollout_ref.oar_teacher``), then,
+        on a GPU, the estimator's memory against the device (``memory_check``: stops a pass that cannot fit)."""
         super().init_model()
+        from verl_oar.integration.memory_check import check_worker_memory
         from verl_oar.integration.teacher import MESH, build_teacher
 
         self.oar_teacher = build_teacher(self)
         if self.oar_teacher is not None:
             self.set_dispatch_collect(mesh_name=MESH, **self.oar_teacher.get_dispatch_collect())
+        check_worker_memory(self)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="oar_teacher"))
     def compute_teacher_log_prob(self, data: TensorDict) -> TensorDict | None:
