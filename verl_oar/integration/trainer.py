@@ -95,7 +95,7 @@ def _oar_trainer_sync(base):
 
         def __init__(self, config, *args, **kwargs):
             self._token_signals = check_token_signals_supported(config, "sync")
-            if self._token_signals:  # the pass's memory per GPU, logged (memory_check); a bad VERL_OAR_MEMORY_CHECK stops
+            if self._token_signals:  # the pass's memory per GPU (memory_check); a bad VERL_OAR_MEMORY_CHECK stops
                 from verl_oar.integration.memory_check import check_action, log_startup_estimate
 
                 check_action()
