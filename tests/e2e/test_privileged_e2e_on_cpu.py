@@ -65,9 +65,9 @@ def test_cscr_and_oppo_train_and_their_dumps_follow_the_formulas(cpu_workspace_d
         assert record["data"]["oppo/sign_violations"] == 0
     for step in (1, 2):
         d = torch.load(oppo_dump / f"step_{step}.pt")
-        mask = d["response_mask"].bool() & d["oppo_scored"].bool()
-        assert d["oppo_evidence"][mask].abs().max() > 1e-2  # the reference answer moves the log-probs
-        expected = oppo_advantages(d["oppo_evidence"], d["rewards"], d["groups"], mask, OPPOConfig()).advantages
+        mask, scored = d["response_mask"].bool(), d["oppo_scored"].bool().any(1)  # unscored rows: broadcast credit
+        assert d["oppo_evidence"][mask & scored[:, None]].abs().max() > 1e-2  # the reference answer moves the log-probs
+        expected = oppo_advantages(d["oppo_evidence"], d["rewards"], d["groups"], mask, OPPOConfig(), scored).advantages
         torch.testing.assert_close(d["advantages"], expected, atol=1e-6, rtol=1e-5)
 
     teacher_dump = tmp_path / "teacher_dump"
@@ -81,8 +81,8 @@ def test_cscr_and_oppo_train_and_their_dumps_follow_the_formulas(cpu_workspace_d
         assert record["data"]["oppo/sign_violations"] == 0
     for step in (1, 2):
         d = torch.load(teacher_dump / f"step_{step}.pt")
-        mask = d["response_mask"].bool() & d["oppo_scored"].bool()
-        expected = oppo_advantages(d["oppo_evidence"], d["rewards"], d["groups"], mask, OPPOConfig()).advantages
+        mask, scored = d["response_mask"].bool(), d["oppo_scored"].bool().any(1)
+        expected = oppo_advantages(d["oppo_evidence"], d["rewards"], d["groups"], mask, OPPOConfig(), scored).advantages
         torch.testing.assert_close(d["advantages"], expected, atol=1e-6, rtol=1e-5)
     # teacher = the actor at step 1: a response both runs sampled gets the same evidence (the runs' rows
     # come in another order, and a row or two are sampled differently)
