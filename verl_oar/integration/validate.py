@@ -2,7 +2,7 @@
 satisfy before any worker is built, each error naming the cause and the fix.
 
 Called by the trainer (``trainer.check_token_signals_supported`` runs at trainer construction) and
-by each signal provider's ``validate``. Pure config checks: reads verl's composed Hydra config, never
+by each signal provider's ``validate`` (e.g. OPPO's reward range, ``validate_success_probability_reward``). Pure config checks: reads verl's composed Hydra config, never
 touches a worker. (``core.config.OARConfig.from_algorithm`` refuses unknown or out-of-range
 ``algorithm.oar.*`` keys; the worker class is checked in ``worker.with_oar_worker``, where verl's
 role-worker mapping is known.)
