@@ -169,21 +169,30 @@ def _validate_engine(config, role: str) -> None:
         return
     sp = int(node.get("ulysses_sequence_parallel_size", 1) or 1)
     if sp > 1:
+        # verl's engine slices each packed sequence over the SP group (prepare_model_inputs, keyed on
+        # engine.use_ulysses_sp; its all-to-all attention is patched into flash-attention only). OAR-P scores whole
+        # sequences with KV caches and OAR-G lays its masks over the whole sequence, so the pass would need SP
+        # switched off in verl's engine state, each SP rank scoring micro-batches of sp x its token budget (verl
+        # multiplies max_token_len_per_gpu by sp) -- the memory SP exists to split -- and fused log-probs would no
+        # longer be verl's SP forward; none of it runs on a CPU.
         raise ValueError(
-            f"OAR importance does not support Ulysses sequence parallelism yet "
-            f"({prefix}.ulysses_sequence_parallel_size={sp}); set it to 1."
+            f"OAR importance does not support Ulysses sequence parallelism ({prefix}.ulysses_sequence_parallel_size="
+            f"{sp}): verl's engine splits every sequence over the sequence-parallel group, while OAR-P scores whole "
+            "sequences (each occluded copy continues its prefix's KV cache) and OAR-G lays its answer and noise masks "
+            "over the whole sequence. Set it to 1 (shard a large model over more GPUs with FSDP2 instead: the "
+            "importance pass keeps its parameters sharded), or use algorithm.adv_estimator=grpo."
         )
     trainer = config.get("trainer", {}) or {}
     dp = int(trainer.get("n_gpus_per_node", 1) or 1) * int(trainer.get("nnodes", 1) or 1) // sp
     if strategy == "fsdp" and dp > 1:
-        # OAR makes a data-dependent number of model calls per rank; FSDP2 runs them on parameters
-        # gathered once (engines.fsdp.unshard), FSDP1 cannot (no forward inside summon_full_params),
-        # so its per-forward all-gathers would mismatch across ranks and hang.
+        # Every FSDP1 model call all-gathers its units; the pass keeps the ranks' calls equal (engines.fsdp.lockstep)
+        # as on FSDP2, but verl's FSDP1 engine cannot be built on a CPU (sync_module_states refuses CPU parameters),
+        # so this path has never run: refused until it is tested on several GPUs.
         raise ValueError(
             f"OAR importance on FSDP1 ({prefix}.strategy=fsdp) needs one data-parallel rank, but this run has "
-            f"{dp} (trainer.n_gpus_per_node x trainer.nnodes): ranks would make different numbers of model "
-            "calls and FSDP1's all-gathers would hang. Set actor_rollout_ref.actor.strategy=fsdp2 "
-            "(and actor_rollout_ref.ref.strategy=fsdp2)."
+            f"{dp} (trainer.n_gpus_per_node x trainer.nnodes): with several ranks every model call all-gathers "
+            "FSDP1's units, a path OAR has tested on FSDP2 only. Set actor_rollout_ref.actor.strategy=fsdp2 "
+            "(and actor_rollout_ref.ref.strategy=fsdp2): its importance passes keep the parameters sharded."
         )
 
 
