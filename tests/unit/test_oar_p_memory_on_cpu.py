@@ -28,7 +28,7 @@ from verl_oar.core.perturbation import PerturbationConfig, naive_perturbation_im
 VOCAB = 1009  # prime, above every sequence length, hidden and head size here: last dim == VOCAB means logits
 NEUTRAL = 0
 BUDGET = 96   # tokens per call: dozens of calls
-MULTIPLE = 4  # live V-sized bytes <= MULTIPLE x the largest call's logits + the clean statistics
+MULTIPLE = 3  # live V-sized bytes <= MULTIPLE x the largest call's logits + the clean statistics
 
 
 @pytest.fixture(scope="module")

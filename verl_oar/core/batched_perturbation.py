@@ -90,7 +90,8 @@ class RowsModel(Protocol):
 
     def __call__(self, rows: list[Row]) -> tuple[list[Tensor | None], list[Any]]:
         """Per row: (keep, V) logits of its last ``keep`` positions (None if ``keep`` is 0) and its cache (None
-        unless ``cache``)."""
+        unless ``cache``). The lists are the caller's: the model keeps no reference to the logits, which the
+        caller frees (it empties the list) before its next call."""
         ...
 
     def prefix(self, cache: Any, length: int) -> Any:
@@ -220,17 +221,24 @@ def _run(model: RowsModel, rows: list[Row], max_tokens: int, cost: PerturbationC
     return caches
 
 
+def _picked(lg: Tensor, plan: _Plan, temperature: float) -> Tensor:
+    """(k, V) float32 logits at the sample's predicting positions / temperature, from a row's (keep, V) logits."""
+    return lg[(plan.keep - (plan.end - lg.shape[0])).to(lg.device)].float() / temperature  # last rows: end - keep
+
+
 def _outcomes(logits: list[Tensor], plans: list[_Plan], samples: list[Sample], which: list[int], outcome: str):
     """Outcome statistic of each row (its logits at its sample's predicting positions), batched: (rows, V) log
-    P_final, or (rows,) phi for "joint" (``outcome_statistic``); row j belongs to sample ``which[j]``."""
-    rows, targets, segment = [], [], []
-    for j, (lg, s) in enumerate(zip(logits, which, strict=True)):
-        plan = plans[s]
-        picked = lg[(plan.keep - (plan.end - lg.shape[0])).to(lg.device)]  # (k, V): the last rows are end - keep
-        rows.append(picked.float() / samples[s].temperature)
-        targets.append(plan.targets.to(lg.device))
-        segment.append(torch.full((picked.shape[0],), j, dtype=torch.long, device=lg.device))
-    return outcome_statistic(torch.cat(rows), torch.cat(targets), torch.cat(segment), len(which), outcome)
+    P_final, or (rows,) phi for "joint" (``outcome_statistic``); row j belongs to sample ``which[j]``. Empties
+    ``logits`` (the call's, referenced nowhere else) once the predicting positions are picked, so the statistic
+    is computed without the call's logits alive."""
+    rows = [_picked(lg, plans[s], samples[s].temperature) for lg, s in zip(logits, which, strict=True)]
+    logits.clear()
+    device = rows[0].device
+    targets = torch.cat([plans[s].targets.to(device) for s in which])
+    segment = torch.cat([torch.full((r.shape[0],), j, dtype=torch.long, device=device) for j, r in enumerate(rows)])
+    z = torch.cat(rows)
+    rows.clear()
+    return outcome_statistic(z, targets, segment, len(which), outcome)
 
 
 def batched_perturbation_importance(
