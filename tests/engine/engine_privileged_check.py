@@ -7,8 +7,9 @@ settings. Prints one JSON line per case.
 The rows are built by ``integration.privileged_signal.privileged_rows`` with verl's rollout token
 builder (what the trainer does), scored by the worker's own ``compute_log_prob`` (verl's packing,
 micro-batching, dynamic batch size, offload) at the rollout temperature; the reference renders every
-rewritten prompt with ``tokenizer.apply_chat_template`` (not verl's builder) and scores one sequence
-at a time without padding. The TransferQueue round trip around the call is covered end to end
+rewritten prompt with ``tokenizer.apply_chat_template`` (not verl's builder), shortens the question of
+one past the context with ``core.privileged_prompt.fit_question`` on that rendering (a row that cannot fit:
+its rollout prompt, as the pass) and scores one sequence at a time without padding. The TransferQueue round trip around the call is covered end to end
 (tests/e2e/test_privileged_e2e_on_cpu.py).
 """
 
@@ -73,26 +74,39 @@ def engine_log_probs(worker, rows) -> list[torch.Tensor]:
     return [t.float() for t in response_from_nested(output["log_probs"], data["response_mask"]).unbind()]
 
 
-def reference(model_dir: str, tokenizer, names: list[str], limit: float) -> list[torch.Tensor]:
-    """Per sequence: apply_chat_template on the rewritten messages, + response, log-softmax(logits / T)."""
-    from transformers import AutoModelForCausalLM
+def reference_prompts(tokenizer, names: list[str], limit: float) -> list[torch.Tensor]:
+    """Per row (template-major): apply_chat_template on the rewritten messages; a prompt + response over ``limit``
+    gets its question shortened from the middle (``fit_question`` with this rendering), or, when even an empty
+    question does not fit, is scored on its rollout prompt (as the pass does for a row it skips)."""
+    from verl_oar.core.privileged_prompt import fit_question, rewrite_messages
 
-    from verl_oar.core.privileged_prompt import rewrite_messages
+    def render(msgs):
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
-    messages, _, responses = rollout_rows(tokenizer)
+    messages, prompts, responses = rollout_rows(tokenizer)
     table = templates()
     out = []
     for name in names:
-        for m, r, answer in zip(messages, responses, ANSWERS):
-            rewritten = rewrite_messages(m, table[name], answer)
-            prompt = tokenizer.apply_chat_template(rewritten, add_generation_prompt=True, tokenize=True, return_dict=False)
-            room = int(limit - len(r)) if limit != float("inf") else len(prompt)
-            prompt = torch.tensor(prompt[-room:], dtype=torch.long)
-            ids = torch.cat([prompt, r])[None]
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE
-            out.append(torch.log_softmax(logits, -1).gather(-1, r[:, None])[:, 0])
+        for m, rollout, r, answer in zip(messages, prompts, responses, ANSWERS):
+            prompt = render(rewrite_messages(m, table[name], answer))
+            if len(prompt) + len(r) > limit:
+                prompt, _ = fit_question(m, table[name], answer, render, int(limit - len(r)))
+            out.append(rollout if prompt is None else torch.tensor(prompt, dtype=torch.long))
+    return out
+
+
+def reference(model_dir: str, tokenizer, names: list[str], limit: float) -> list[torch.Tensor]:
+    """Per sequence: ``reference_prompts`` + response, one sequence at a time, log-softmax(logits / T)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
+    _, _, responses = rollout_rows(tokenizer)
+    out = []
+    for prompt, r in zip(reference_prompts(tokenizer, names, limit), responses * len(names), strict=True):
+        ids = torch.cat([prompt, r])[None]
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE
+        out.append(torch.log_softmax(logits, -1).gather(-1, r[:, None])[:, 0])
     return out
 
 
@@ -161,13 +175,18 @@ def main(out_dir: str) -> None:
     for case in cases:
         worker = build_worker(model_dir, **case)  # dynamic: a few rows per micro-batch of <= 512 tokens
         result = dict(case)
-        for limit_name, limit in (("full", float("inf")), ("truncated", float(longest))):
+        # longest + 40: some privileged prompts fit whole, some only with a shortened question, some not at all
+        for limit_name, limit in (("full", float("inf")), ("truncated", float(longest + 40))):
             rows, stats = build(tokenizer, names, limit)
             got = engine_log_probs(worker, rows)
             want = reference(model_dir, tokenizer, names, limit)
             errs = [float((g - w).abs().max()) for g, w in zip(got, want, strict=True)]
             result[f"{limit_name}_max_abs_err"] = max(errs)
+            result[f"{limit_name}_prompts_equal"] = all(
+                torch.equal(row["prompts"], p) for row, p in zip(rows.rows, reference_prompts(tokenizer, names, limit), strict=True))
             result[f"{limit_name}_truncated_rows"] = stats.truncated
+            result[f"{limit_name}_skipped_rows"] = stats.skipped
+            result[f"{limit_name}_scored_rows"] = sum(rows.scored)
             result[f"{limit_name}_rows"] = stats.rows
             result[f"{limit_name}_prompt_tokens_added"] = stats.prompt_tokens_added
             if limit_name == "full":

@@ -3,8 +3,11 @@ one-rank gloo group; engine_privileged_check.py) equals a per-sequence plain-tra
 the rewritten prompts rendered by ``tokenizer.apply_chat_template`` (the pass uses verl's rollout token
 builder), the response appended, log-softmax at the rollout temperature (0.7), with packing on and
 off, micro-batch sizes 6, 2 and 3, dynamic batch size with parameter offload; four templates (identity,
-CSCR's two conditions, OPPO's oracle with the answer) in one call of 24 rows; the rewritten prompts
-truncated from the left to a context limit (15 of 24 rows); with the identity template the rows are
+CSCR's two conditions, OPPO's oracle with the answer) in one call of 24 rows; under a context limit (the
+longest rollout row + 40 tokens) 4 rows get their question shortened from the middle
+(``core.privileged_prompt.fit_question``, the reference with apply_chat_template's rendering gives the same
+prompts) and 6 that do not fit even with an empty question are skipped (scored on their rollout prompt, as
+the reference does); with the identity template the rows are
 the rollout's and their log-probs those of the rollout rows scored alone. OPPO's teacher oracle: the
 worker builds a second, frozen model from ``actor_rollout_ref.oar_teacher`` (integration.teacher) with
 the reference model's engine settings, and ``compute_teacher_log_prob`` equals plain transformers on the
@@ -40,13 +43,16 @@ def test_privileged_log_probs_equal_plain_transformers(cases):
         for part in ("full", "truncated"):
             assert case[f"{part}_rows"] == 24, _name(case)
             assert case[f"{part}_max_abs_err"] <= 1e-5, (_name(case), part, case)
+            assert case[f"{part}_prompts_equal"], (_name(case), part)  # verl's builder == apply_chat_template
 
 
-def test_templates_add_prompt_tokens_and_the_context_limit_truncates(cases):
+def test_templates_add_prompt_tokens_and_the_context_limit_shortens_or_skips(cases):
     for case in cases:
         added = case["full_prompt_tokens_added"]
         assert added[:6] == [0] * 6 and min(added[6:]) > 0, case   # identity adds nothing; the others add text
-        assert case["full_truncated_rows"] == 0 and case["truncated_truncated_rows"] == 15, case
+        assert (case["full_truncated_rows"], case["full_skipped_rows"], case["full_scored_rows"]) == (0, 0, 24), case
+        assert (case["truncated_truncated_rows"], case["truncated_skipped_rows"], case["truncated_scored_rows"]) == (
+            4, 6, 18), case
 
 
 def test_identity_template_gives_the_rollouts_prompt_and_log_probs(cases):
