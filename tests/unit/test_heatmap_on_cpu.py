@@ -274,6 +274,59 @@ def test_oppo_evidence_and_weights_equal_a_per_token_reference(privileged_run, l
     assert min(row["weights"]["oppo"]) >= 0 and privileged_run["config"]["reward"] == 0.0
 
 
+def oppo_reference_weights(evidence: list[float], reward: float, cfg) -> list[float]:
+    """Plain per-token OPPO for one response from the prior 1/2, no group scale or zeroing, as w~."""
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    logit, advantages = 0.0, []
+    for e in evidence:
+        e = min(cfg.clip, max(-cfg.clip, e)) if cfg.clip > 0 else e
+        state = logit if cfg.state_weight == "tracked" else 0.0
+        v = sigmoid(state)
+        advantages.append(sigmoid(state + e) - v if cfg.form == "exact" else v * (1 - v) * e)
+        logit += e
+    if cfg.terminal == "last_token":
+        advantages[-1] += (reward - 0.5) - sum(advantages)
+    d = 1.0 if reward > 0.5 else -1.0
+    if cfg.anchor == "clamp":
+        advantages = [d * max(0.0, d * a) for a in advantages]
+    elif cfg.anchor == "abs":
+        advantages = [d * abs(a) for a in advantages]
+    return [a * len(evidence) / (reward - 0.5) for a in advantages]
+
+
+def test_oppo_weights_for_every_valid_config(loaded):
+    """Every valid OPPO config draws (``scale=group_std`` used to raise: the heatmap turned off the zeroing of
+    uniform groups, which group_std requires); the group keys are set for a group of one (scale none, no
+    zeroing), the others used as given, each against a per-token reference on the same evidence."""
+    import itertools
+    from dataclasses import replace
+
+    from verl_oar.core.oppo import CHOICES, OPPOConfig
+    from verl_oar.tools.heatmap import make_sample
+    from verl_oar.tools.heatmap_privileged import oppo_signal
+
+    model, tokenizer = loaded
+    sample = make_sample(0, PROMPT, RESPONSE, tokenizer, True)
+    keys = ("form", "state_weight", "terminal", "anchor", "scale")
+    evidence, checked = None, 0
+    for values in itertools.product(*(CHOICES[k] for k in keys), (True, False)):
+        *choice, zero = values
+        if choice[-1] == "group_std" and not zero:
+            continue  # refused by OPPOConfig itself
+        cfg = OPPOConfig(clip=0.005, zero_uniform_groups=zero, **dict(zip(keys, choice)))
+        got_evidence, weights = oppo_signal(model, tokenizer, sample, "75", 1.0, 0.7, cfg)
+        evidence = got_evidence.tolist() if evidence is None else evidence
+        assert got_evidence.tolist() == evidence, cfg  # the config changes the credit, not the evidence
+        assert weights.tolist() == pytest.approx(oppo_reference_weights(evidence, 1.0, cfg), abs=1e-5), cfg
+        if cfg.terminal == "last_token" and cfg.anchor == "none":
+            assert float(weights.sum()) == pytest.approx(len(evidence), rel=1e-5)  # sum A = R - V_0
+        checked += 1
+    # the tiny random model's evidence is ~0.005 nats: clip 0.005 clips some tokens and not others
+    assert checked == 72 and any(abs(e) > 0.005 for e in evidence) and any(abs(e) < 0.005 for e in evidence)
+    with pytest.raises(ValueError, match="group_std"):  # the refusal itself stands for training configs
+        replace(OPPOConfig(), scale="group_std", zero_uniform_groups=False)
+
+
 def test_ground_truth_from_verls_reward_model_column(model_dir, tmp_path):
     path = tmp_path / "rollouts.parquet"
     pd.DataFrame({"prompt": [[{"role": "user", "content": PROMPT}]], "response": [RESPONSE],

@@ -9,10 +9,14 @@ on one sequence at a time:
 * CSCR: sensitivity ``max(|shift+|, |shift-|)`` and its weights ``w~`` (``core.cscr``, its defaults);
   departure: the quantile threshold is taken over this response's tokens (training: over the batch's);
 * OPPO: evidence (the shift under the oracle prompt with the reference answer) and the token advantages
-  of the response for reward ``reward`` from the prior 1/2 (``prior=half``, ``zero_uniform_groups=False``:
-  the group's success rate is unknown for one response; the other keys at their defaults), shown as
-  ``w~ = A_t * T / (R - V_0)``: the credit relative to spreading the response's outcome evenly over its
-  tokens (1 = even, as GRPO; 0 = none).
+  of the response for reward ``reward`` from the prior 1/2, shown as ``w~ = A_t * T / (R - V_0)``: the
+  credit relative to spreading the response's outcome evenly over its tokens (1 = even, as GRPO; 0 = none).
+  One response is a group of one, so the group keys are set for the picture whatever the config says:
+  ``prior=half`` (the group's success rate is unknown), ``zero_uniform_groups=False`` (a group of one is
+  "uniform" and training would zero it) and ``scale=none`` (its reward std is 0; ``group_std`` divides every
+  advantage of a group by the same number, which changes the credit's size, not its shape over the tokens,
+  and w~ shows the shape). The config's other keys (form, state_weight, terminal, anchor, clip, template)
+  are used as given.
 
 Every response token counts (training's response mask), not only the reasoning tokens OAR scores.
 """
@@ -78,8 +82,9 @@ def cscr_signal(model, tokenizer, sample: Any, temperature: float, cfg: CSCRConf
 def oppo_signal(model, tokenizer, sample: Any, answer: str, reward: float, temperature: float,
                 cfg: OPPOConfig | None = None) -> tuple[Tensor, Tensor]:
     """(evidence, weights), each (T,) float32: OPPO's oracle evidence (nats) and ``A_t T / (R - V_0)``
-    for reward ``reward`` from the prior 1/2 (0 everywhere when ``reward`` is 1/2: no direction)."""
-    cfg = replace(cfg or OPPOConfig(), prior="half", zero_uniform_groups=False)
+    for reward ``reward`` from the prior 1/2 (0 everywhere when ``reward`` is 1/2: no direction). Any valid
+    ``cfg``; its group keys are overridden for a group of one (module docstring)."""
+    cfg = replace(cfg or OPPOConfig(), prior="half", zero_uniform_groups=False, scale="none")
     base = response_log_probs(model, sample.prompt_ids, sample.response_ids, temperature)
     evidence = _shift(model, tokenizer, sample, cfg.template, answer, temperature, base)
     t = len(base)
