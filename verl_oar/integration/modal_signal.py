@@ -16,15 +16,11 @@ from __future__ import annotations
 
 from verl_oar.core.acpo import ACPOConfig
 from verl_oar.integration.signals import register_token_signal
+from verl_oar.integration.validate import bypass_mode
 
 ACPO_FIELDS = ("acpo_surrogate", "acpo_entropy")
 MODAL_MARK = "oar_acpo_modal"
 """batch.extra_info mark for the old-log-prob pass (removed after it with the other ``oar_`` keys)"""
-
-
-def _bypass(config) -> bool:
-    corr = config.algorithm.get("rollout_correction", None)
-    return bool(corr and corr.get("bypass_mode", False))
 
 
 def validate_acpo(config) -> None:
@@ -34,7 +30,7 @@ def validate_acpo(config) -> None:
     if strategy not in ("fsdp", "fsdp2", "megatron"):
         raise ValueError(f"algorithm.adv_estimator=acpo reads verl's old-log-prob pass on the actor's engine; "
                          f"actor_rollout_ref.actor.strategy={strategy!r} is not one of fsdp, fsdp2, megatron.")
-    if cfg.surrogate != "sampled" and _bypass(config):
+    if cfg.surrogate != "sampled" and bypass_mode(config):
         raise ValueError(f"algorithm.acpo.surrogate={cfg.surrogate} needs verl's old-log-prob pass, which "
                          "algorithm.rollout_correction.bypass_mode=true skips (old_log_probs = the rollout's, no "
                          "entropy). Set +algorithm.acpo.surrogate=sampled, or bypass_mode=false.")
@@ -67,7 +63,7 @@ def compute_acpo_surrogate(trainer, batch, metrics: dict) -> None:
     from verl_oar.engines.inputs import nested
 
     cfg = ACPOConfig.from_algorithm(trainer.config.algorithm)
-    bypass = _bypass(trainer.config)
+    bypass = bypass_mode(trainer.config)
     select = ["response_mask", "old_log_probs"] + ([] if bypass else ["entropy"]) + (
         [MODAL_KEY] if cfg.surrogate == "modal" else [])
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=select)
