@@ -6,7 +6,8 @@ The seams (patches 0001 and 0002 of the series):
 
 - ``verl.trainer.ppo.core_algos.register_adv_est(name, extra_fields=...)``: the OAR estimators declare
   their providers' TransferQueue fields; verl's ``_compute_advantage`` fetches them, pads them like
-  ``token_level_rewards`` and passes them as keyword arguments (``estimators.register_reshaped_grpo``);
+  ``token_level_rewards`` and passes them as keyword arguments, which every estimator registered with
+  ``token_estimator.register_estimator`` puts into the current signals (``signals.keyword_signals``);
 - ``verl.trainer.ppo.advantage_hooks.register_advantage_hooks(name, hooks)``: :class:`_TokenSignalHooks`
   does what ``trainer.OARTrainerSync`` does in its overrides: start-up checks and guards (``validate``,
   which refuses the legacy trainer and the async modes too), the OAR worker class (``configure_workers``),
@@ -127,7 +128,8 @@ def _hooks_class():
             from verl_oar.integration.dump import dump_step
             from verl_oar.integration.signals import TokenSignals, provide, real_rows, session_final_rows
 
-            # the tensors arrive as the estimator's keyword arguments (estimators.register_reshaped_grpo)
+            # the tensors arrive as the estimator's keyword arguments (token_estimator.register_estimator ->
+            # signals.keyword_signals adds them to these signals)
             signals = TokenSignals(tensors={}, step=int(trainer.global_steps), real_rows=real_rows(batch.tags),
                                    session_final=session_final_rows(batch.keys))
             with provide(signals):
