@@ -238,34 +238,40 @@ def oppo_stats(result: OPPOResult, evidence: Tensor, rewards: Tensor, mask: Tens
     """Per-step metrics (``oppo/...``): evidence, clipping, prior and terminal value over the scored rows
     (``scored`` (bs,) bool, None: all), sign violations (tokens whose advantage opposes the verifier's direction
     R - V_0 after anchoring; 0 unless ``anchor=none``) and advantage statistics over every valid token, and
-    ``oppo/broadcast_rows``: rows that were not scored (broadcast credit, :func:`oppo_advantages`)."""
+    ``oppo/broadcast_rows``: rows that were not scored (broadcast credit, :func:`oppo_advantages`).
+
+    Masked reductions over the (bs, T) tensors (no boolean-indexed copies: at 2^25 tokens those cost seconds);
+    means are float64 sums, min/max exact."""
     response = mask.bool()
-    if not response.any():
+    n_response = int(response.count_nonzero())
+    if n_response == 0:
         return {"oppo/valid_tokens": 0.0}
     scored_rows = torch.ones(len(response), dtype=torch.bool) if scored is None else scored.bool()
     valid = response & scored_rows[:, None]
-    adv = result.advantages.double()
-    direction = torch.sign(rewards.double() - result.prior.double())[:, None].expand_as(adv)
+    adv = result.advantages
+    # +-1, 0 (or NaN) per row: exact in the advantages' dtype, and adv * direction < 0 iff the signs oppose
+    direction = torch.sign(rewards.double() - result.prior.double()).to(adv.dtype)[:, None]
     rows = response.any(-1)
     out = {
         "oppo/prior/mean": float(result.prior.double()[rows].mean()),
         "oppo/frac_uniform_groups": float(result.uniform.double().mean()),
-        "oppo/sign_violations": float(((adv * direction)[response] < 0).sum()),
-        "oppo/advantage/abs_mean": float(adv[response].abs().mean()),
-        "oppo/advantage/seq_sum_mean": float(adv.sum(-1)[rows].mean()),
-        "oppo/valid_tokens": float(response.sum()),
+        "oppo/sign_violations": float((((adv * direction) < 0) & response).count_nonzero()),
+        "oppo/advantage/abs_mean": float(torch.where(response, adv.abs(), 0).sum(dtype=torch.float64)) / n_response,
+        "oppo/advantage/seq_sum_mean": float(adv.sum(-1, dtype=torch.float64)[rows].mean()),
+        "oppo/valid_tokens": float(n_response),
         "oppo/broadcast_rows": float((rows & ~scored_rows).sum()),
     }
-    if valid.any():
-        e = evidence.double()[valid]
+    n = int(valid.count_nonzero())
+    if n:
+        e = evidence
         v_end = result.values.double()[:, -1]  # padding adds no evidence: V after the last valid token
         ends = valid.any(-1)
         out.update({
-            "oppo/evidence/mean": float(e.mean()),
-            "oppo/evidence/abs_mean": float(e.abs().mean()),
-            "oppo/evidence/max": float(e.max()),
-            "oppo/evidence/min": float(e.min()),
-            "oppo/frac_clipped": float(result.clipped[valid].double().mean()),
+            "oppo/evidence/mean": float(torch.where(valid, e, 0).sum(dtype=torch.float64)) / n,
+            "oppo/evidence/abs_mean": float(torch.where(valid, e.abs(), 0).sum(dtype=torch.float64)) / n,
+            "oppo/evidence/max": float(torch.where(valid, e, -math.inf).amax()),
+            "oppo/evidence/min": float(torch.where(valid, e, math.inf).amin()),
+            "oppo/frac_clipped": int((result.clipped & valid).count_nonzero()) / n,
             "oppo/value_end/mean": float(v_end[ends].mean()),
             "oppo/terminal_gap/abs_mean": float((rewards.double() - v_end)[ends].abs().mean()),
         })

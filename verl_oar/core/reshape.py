@@ -311,7 +311,7 @@ def reshape_stats(
           ``importance/mean``, ``importance/max``.
     """
     out: dict[str, float] = {}
-    if rows is not None:
+    if rows is not None and not bool(rows.all()):  # all rows kept: no copies
         keep = rows.to(device=weights.fallback.device, dtype=torch.bool)
         weights = TokenWeights(weights=weights.weights[keep], unnormalized=weights.unnormalized[keep],
                                fallback=weights.fallback[keep])
@@ -330,28 +330,32 @@ def reshape_stats(
         if reason is not Fallback.NONE:
             out[f"fallback/frac_{reason.name.lower()}"] = (fallback == int(reason)).double().mean().item()
 
-    resp_f = response.to(torch.float64)
-    diff = ((adv_after.double() - adv_before.double()) * resp_f).sum(dim=1)
-    out["mass_error/max_abs"] = diff.abs().max().item()
-    n_resp = response.sum().item()
-    out["reasoning/frac_of_response"] = (reasoning & response).sum().item() / n_resp if n_resp else 0.0
+    # masked reductions over the (B, T) tensors, no boolean-indexed copies (seconds at 2^25 tokens)
+    diff = adv_after.double() - adv_before.double()
+    out["mass_error/max_abs"] = diff.mul_(response).sum(dim=1).abs().max().item()
+    del diff
+    n_resp = int(response.count_nonzero())
+    out["reasoning/frac_of_response"] = int((reasoning & response).count_nonzero()) / n_resp if n_resp else 0.0
 
     tokens = reasoning & (fallback == int(Fallback.NONE))[:, None]
-    if tokens.any():
-        w = weights.weights[tokens].double()
-        raw = weights.unnormalized[tokens]                                # float32, as stored
+    n = int(tokens.count_nonzero())
+    if n:
+        w = weights.weights
+        raw = weights.unnormalized                                        # float32, as stored
         floor = torch.tensor(cfg.floor, dtype=raw.dtype, device=raw.device)
-        out["weight/min"] = w.min().item()
-        out["weight/max"] = w.max().item()
-        out["weight/mean"] = w.mean().item()
-        out["weight/frac_suppressed"] = (raw < 1).double().mean().item()
-        out["weight/frac_amplified"] = (raw > 1).double().mean().item()
-        out["weight/frac_at_floor"] = ((raw < 1) & (raw <= floor)).double().mean().item()
+        out["weight/min"] = torch.where(tokens, w, math.inf).amin().double().item()
+        out["weight/max"] = torch.where(tokens, w, -math.inf).amax().double().item()
+        out["weight/mean"] = torch.where(tokens, w, 0).sum(dtype=torch.float64).item() / n
+        below = (raw < 1) & tokens
+        out["weight/frac_suppressed"] = int(below.count_nonzero()) / n
+        out["weight/frac_amplified"] = int(((raw > 1) & tokens).count_nonzero()) / n
+        out["weight/frac_at_floor"] = int((below & (raw <= floor)).count_nonzero()) / n
 
     if importance is not None:
-        imp = importance.detach().double()
+        imp = importance.detach()
         finite = reasoning.to(imp.device) & torch.isfinite(imp)
-        if finite.any():
-            out["importance/mean"] = imp[finite].mean().item()
-            out["importance/max"] = imp[finite].max().item()
+        count = int(finite.count_nonzero())
+        if count:
+            out["importance/mean"] = torch.where(finite, imp, 0).sum(dtype=torch.float64).item() / count
+            out["importance/max"] = torch.where(finite, imp, -math.inf).amax().double().item()
     return out
