@@ -38,10 +38,11 @@ def _work_unit(path: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Serially (``pytest tests``): the trainer launches (marked slow, tests/e2e) run last, so every quick
-    test has answered first, and the session's shared Ray cluster (tests/e2e/conftest.py) is up only
-    while they run. In xdist workers (``bash scripts/test.sh`` runs two): the launches first, longest
-    first, so that the two workers end together (``ModuleScheduling`` hands out work units in this order)."""
+    """Serially (``pytest tests``): the slow tests (the trainer launches of tests/e2e, the 2^25-token batch-scale
+    test) run last, so every quick test has answered first, and the session's shared Ray cluster
+    (tests/e2e/conftest.py) is up only while they run. In xdist workers (``bash scripts/test.sh`` runs two):
+    the launches first, longest first, so that the two workers end together (``ModuleScheduling`` hands out
+    work units in this order)."""
     if hasattr(config, "workerinput"):  # an xdist worker (only workers collect)
         rank = {m: i for i, m in enumerate(E2E_LONGEST_FIRST)}
         items.sort(key=lambda item: rank.get(_work_unit(item.path.relative_to(TESTS).as_posix()), len(rank)))

@@ -2,7 +2,8 @@
 tokens: e.g. 512 prompts x 16 responses of 4k), float32 inputs as verl hands them, one shared batch.
 
 torch.quantile refuses inputs over 2^24 elements; the estimators' batch-wide quantiles use
-``core.reshape.linear_quantile`` instead, which must equal torch.quantile bit for bit where torch's runs."""
+``core.reshape.linear_quantile`` instead, which must equal torch.quantile bit for bit where torch's runs.
+The 2^25-token run is marked slow (tens of seconds): the full suite runs it, ``-m "not slow"`` does not."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def _timed(fn):
     return out, time.perf_counter() - started
 
 
+@pytest.mark.slow  # ~41 s alone on 2 cores (the estimators' core calls ~31 s, their stats ~10 s)
 def test_every_estimators_batch_statistics_run_at_two_to_the_25_valid_tokens(batch):
     from verl_oar.core.acpo import ACPOConfig, acpo_advantages, acpo_stats
     from verl_oar.core.codapo import codapo_stats, question_values
