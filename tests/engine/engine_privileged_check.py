@@ -8,8 +8,9 @@ The rows are built by ``integration.privileged_signal.privileged_rows`` with ver
 builder (what the trainer does), scored by the worker's own ``compute_log_prob`` (verl's packing,
 micro-batching, dynamic batch size, offload) at the rollout temperature; the reference renders every
 rewritten prompt with ``tokenizer.apply_chat_template`` (not verl's builder), shortens the question of
-one past the context with ``core.privileged_prompt.fit_question`` on that rendering (a row that cannot fit:
-its rollout prompt, as the pass) and scores one sequence at a time without padding. The TransferQueue round trip around the call is covered end to end
+one past the context with ``core.privileged_prompt.fit_question`` on that rendering (a row that cannot
+fit: its rollout prompt, as the pass) and scores one sequence at a time without padding. The
+TransferQueue round trip around the call is covered end to end
 (tests/e2e/test_privileged_e2e_on_cpu.py).
 """
 
