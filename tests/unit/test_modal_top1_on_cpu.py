@@ -47,3 +47,34 @@ def test_one_temperature_for_all_rows_and_logits_untouched(temperature):
 def test_uniform_logits_give_minus_log_vocab():
     got = modal.top1_log_probs(torch.zeros(4, 128), torch.ones(4))
     assert torch.allclose(got, torch.full((4,), -torch.log(torch.tensor(128.0)).item()), atol=1e-6)
+
+
+def _out_of_place(logits: torch.Tensor, temperature, rows: int) -> torch.Tensor:
+    """The same float32 math written as plain expressions, block by block (a new tensor per step): what the
+    in-place buffer must reproduce bit for bit."""
+    temp = torch.as_tensor(temperature, dtype=torch.float32).clamp(min=1e-8).expand(logits.shape[0])
+    out = []
+    for start in range(0, logits.shape[0], rows):
+        z = logits[start : start + rows].float()
+        shifted = z - z.amax(dim=-1, keepdim=True)
+        if not bool((temp == 1).all()):
+            shifted = shifted * (1.0 / temp[start : start + rows, None])
+        out.append(-shifted.exp().sum(-1).log())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("temperature", ["per-row", 0.7, 1.0])
+def test_one_reused_block_gives_the_bits_of_the_out_of_place_math(monkeypatch, dtype, rows, temperature):
+    """Every block is computed in place in one reused buffer (the memory fix: no block outlives the next, measured
+    in tests/unit/test_memory_estimate_on_cpu.py); the values are bit-identical to the plain expressions, and the
+    logits are never written (float32 logits are subtracted into the buffer, never in place)."""
+    g = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(37, 997, generator=g) * 4).to(dtype)
+    temp = torch.rand(37, generator=g) * 1.5 + 0.2 if temperature == "per-row" else temperature
+    before = logits.clone()
+    monkeypatch.setitem(modal.BLOCK_BYTES, "cpu", rows * 4 * 997)
+    got = modal.top1_log_probs(logits, temp)
+    assert torch.equal(logits, before)
+    assert torch.equal(got, _out_of_place(logits, temp, rows))

@@ -13,7 +13,9 @@ worker returns every key of that output, so the field reaches TransferQueue besi
 Both of verl's layouts are handled: packed (``use_remove_padding``: logits (1, nnz, V), sequence-parallel
 shards gathered back with verl's own helper) and padded ((bs, S, V), narrowed to each sequence's length).
 Fused kernels never materialise the logits: refused at start-up (``integration.modal_signal``). Memory:
-at most one float32 block of ``BLOCK_BYTES`` beyond verl's own.
+one float32 block of ``BLOCK_BYTES`` beyond verl's own (every block is written into one buffer), one (rows,) row
+statistic at a time, the (N,) result and, with one temperature per row, their (N,) reciprocals (measured:
+tests/unit/test_memory_estimate_on_cpu.py).
 Checked against verl 0.9.1; an engine without ``prepare_model_outputs`` is refused with the fix.
 """
 
@@ -38,17 +40,26 @@ def top1_log_probs(logits: torch.Tensor, temperature: torch.Tensor | float) -> t
     """(N,) float32 log p_max of every row of ``logits`` (N, V) at ``temperature`` ((N,) or a number, > 0).
 
     ``max(z/T) - logsumexp(z/T) = -log sum_v exp((z_v - max z) / T)``: one max and one exp-sum per row, in float32,
-    block by block (``BLOCK_BYTES``), so the extra memory is one block, never a copy of the logits."""
+    block by block (``BLOCK_BYTES``). Every block is computed in place in one (rows, V) float32 buffer (float32 logits
+    are subtracted into it, others copied into it first), so the extra memory is that buffer, never a copy of the
+    logits, and no block outlives the next."""
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).clamp(min=1e-8)
-    inv = (1.0 / temp).expand(n) if temp.dim() == 0 else 1.0 / temp
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).clamp(min=1e-8)  # a new tensor
     unit = bool((temp == 1).all())  # verl's usual temperature: one pass over the block fewer
+    inv = temp.reciprocal_()  # 1 / T in place (``1.0 / temp`` is this reciprocal too)
+    inv = inv.expand(n) if inv.dim() == 0 else inv
     rows = max(1, BLOCK_BYTES.get(logits.device.type, DEFAULT_BLOCK_BYTES) // (4 * vocab))
     with torch.no_grad():
+        buffer = torch.empty((min(rows, n), vocab), dtype=torch.float32, device=logits.device)
         for start in range(0, n, rows):
-            z = logits[start : start + rows].float()
-            shifted = z - z.amax(dim=-1, keepdim=True)                       # a new block even when z is logits
+            z = logits[start : start + rows]
+            shifted = buffer[: z.shape[0]]
+            if z.dtype == torch.float32:  # never in place on the logits
+                torch.sub(z, z.amax(dim=-1, keepdim=True), out=shifted)
+            else:
+                shifted.copy_(z)  # the float32 copy, rounded as .float()
+                shifted.sub_(shifted.amax(dim=-1, keepdim=True))
             if not unit:
                 shifted.mul_(inv[start : start + rows, None])
             out[start : start + rows] = shifted.exp_().sum(-1).log_().neg_()
