@@ -1,5 +1,7 @@
 """Run in its own process (torch.distributed's process group is global): OAR-G importance through
-verl's real engine vs. plain transformers, for several engine settings. Prints one JSON line per case.
+verl's real engine vs. plain transformers, for several engine settings, with verl's default gradient
+checkpointing (``enable_gradient_checkpointing=true``: OAR-G's pass recomputes the layers in its backward)
+and once more without it. Prints one JSON line per case.
 
     VERL_PLATFORM=cpu python tests/engine/engine_importance_check.py OUT_DIR
 """
@@ -201,6 +203,24 @@ def fused_vs_verl(worker, tokenizer, oar: dict, step: int) -> dict:
     }
 
 
+def without_checkpointing(worker, tokenizer, oar: dict, step: int) -> dict:
+    """The importance pass again with the engine model's gradient checkpointing switched off (the layers' flag that
+    ``gradient_checkpointing_enable()`` set, which ``core.hf.OutcomeHead`` reads), then on again; and whether it
+    was on (verl's default ``enable_gradient_checkpointing=true``)."""
+    from verl_oar.core.hf import checkpointed_layers
+
+    layers = checkpointed_layers(worker.actor.engine.module)
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        data, _, _ = make_batch(tokenizer, oar, step)
+        output = worker.compute_token_importance(data)
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
+    return {"gradient_checkpointing": bool(layers), "importance": output["oar_importance"]}
+
+
 def zero_noise_importance(worker, tokenizer, step: int) -> float:
     """The largest OAR-G importance (noisy KL, AS-MEAN, gradient norm) when the noise is zero: the
     clean and the noisy outcome are then the same computation, so J and dJ/de must be exactly 0."""
@@ -255,8 +275,11 @@ def main(out_dir: str) -> None:
         got = [t.float() for t in output["oar_importance"].unbind()]
         fused = fused_vs_verl(worker, tokenizer, oar, step)
         after_fused = snapshot(engine)
+        checkpointing = without_checkpointing(worker, tokenizer, oar, step)
         result = {
             **case,
+            "gradient_checkpointing": checkpointing["gradient_checkpointing"],
+            "checkpointed_importance_identical": bitwise_equal(checkpointing["importance"], output["oar_importance"]),
             "state_unchanged": same(before, after) and same(before, after_fused),
             "fused_importance_identical": bitwise_equal(fused.pop("fused_importance"), output["oar_importance"]),
             **fused,

@@ -4,7 +4,9 @@ old-log-prob pass (noisy KL and log-likelihood), with the parameters sharded (th
 counts, ``engines.fsdp.lockstep``) and, opt-in, gathered once per pass (``algorithm.oar.gather_params``), on
 an fp32 worker (packed rows) and a bf16 one (padded rows). Each rank's fp32 importance must equal a
 one-process plain-transformers reference, the gathered passes' the sharded ones' bit for bit, the fused
-log-probs verl's own ``compute_log_prob``; per pass it records the all-gathers, the model's forwards and the largest
+log-probs verl's own ``compute_log_prob``. The workers keep verl's default gradient checkpointing, which OAR-G's
+pass applies (its backward recomputes each sharded layer); a ``*_plain`` pass is the same pass with it switched
+off (the layers' flag), to be compared bit for bit and all-gather for all-gather. Per pass it records the all-gathers, the model's forwards and the largest
 parameter bytes unsharded at once (the storage of FSDP2's unsharded parameters, summed whenever a group
 is unsharded), beside the same count in verl's own ``compute_log_prob`` forward. Prints one
 ``RANK {json}`` line per rank.
@@ -168,6 +170,7 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
     from transformers import AutoTokenizer
     from verl.utils import tensordict_utils as tu
 
+    from verl_oar.core.hf import checkpointed_layers
     from verl_oar.engines.fsdp.unshard import fsdp2_modules
 
     model_dir = os.path.join(out_dir, "tiny_model")
@@ -187,18 +190,22 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
         worker = base.build_worker(model_dir, use_dynamic_bsz=False, micro_bsz=1, param_offload=False,
                                    extra=("trainer.device=cuda",) if cuda else (), **settings)
         engine = worker.actor.engine
+        layers = checkpointed_layers(engine.module)  # verl's default enable_gradient_checkpointing=true
         before = base.snapshot(engine)
         unsharded = _track_unsharded_bytes(engine.module)
-        forwards = [0]
+        forwards, computed = [0], [0]
         engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        for layer in layers:  # the layers' attention runs once more per layer in a checkpointed backward
+            layer.self_attn.register_forward_hook(lambda *_: computed.__setitem__(0, computed[0] + 1))
         passes: dict = {}
 
         def measured(name, call):
             counts.clear()
-            forwards[0] = 0
+            forwards[0] = computed[0] = 0
             unsharded["peak"] = 0
             out = call()
-            passes[name] = {"collectives": dict(counts), "forwards": forwards[0], "peak_bytes": unsharded["peak"]}
+            passes[name] = {"collectives": dict(counts), "forwards": forwards[0], "peak_bytes": unsharded["peak"],
+                            "attention_calls": computed[0]}
             return out
 
         # verl's own old-log-prob pass: the forward level of unsharded parameters, and the fused passes' log-probs
@@ -216,7 +223,14 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
             if fused:
                 tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, oar_fused=True)
             run = worker.compute_log_prob if fused else worker.compute_token_importance
-            out = outputs[name] = measured(name, lambda run=run, data=data: run(data))
+            plain = [layer for layer in layers if name.endswith("_plain")]  # checkpointing off for this pass
+            for layer in plain:
+                layer.gradient_checkpointing = False
+            try:
+                out = outputs[name] = measured(name, lambda run=run, data=data: run(data))
+            finally:
+                for layer in plain:
+                    layer.gradient_checkpointing = True
             results[name] = {"answers": [int(a.any()) for a in out["oar_answer_mask"].unbind()]}
             if method == "perturbation":
                 results[name]["copies"] = out["oar_perturb_copies"].tolist()
@@ -237,12 +251,16 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
                 sharded = name[: -len("_gathered")]
                 results[name]["identical_to_sharded"] = base.bitwise_equal(
                     outputs[name]["oar_importance"], outputs[sharded]["oar_importance"])
+            if name.endswith("_plain"):  # and without gradient checkpointing
+                results[name]["identical_to_checkpointed"] = base.bitwise_equal(
+                    outputs[name]["oar_importance"], outputs[name[: -len("_plain")]]["oar_importance"])
         after = base.snapshot(engine)
         sharded_after = all(isinstance(p, DTensor) for p in engine.module.parameters()) and all(
             before["params"][n].shape == p.to_local().shape for n, p in engine.module.named_parameters())
         return {"results": {prefix + k: v for k, v in results.items()},
                 "passes": {prefix + k: v for k, v in passes.items()},
                 "whole_model_bytes": whole, "fsdp_modules": len(fsdp2_modules(engine.module)),
+                "checkpointed_layers": len(layers),
                 "state_unchanged": base.same(before, after), "sharded_after": sharded_after}
 
     fp32 = on_worker("", {
@@ -251,6 +269,7 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
         "g_noisy": (noisy, "gradient", False), "g_fused_noisy": (noisy, "gradient", True),
         "g_fused_loglik": (loglik, "gradient", True),
         "g_noisy_gathered": ({**noisy, "gather_params": True}, "gradient", False),
+        "g_noisy_plain": (noisy, "gradient", False),
     }, use_remove_padding=True)
     # bf16 mixed precision as real runs, rows padded instead of packed: sharded vs gathered bit for bit
     bf16 = on_worker("bf16_", {
@@ -258,6 +277,7 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
         "p_chunk_gathered": ({**chunk, "gather_params": True}, "perturbation", False),
         "g_fused_noisy": (noisy, "gradient", True),
         "g_fused_noisy_gathered": ({**noisy, "gather_params": True}, "gradient", True),
+        "g_fused_noisy_plain": (noisy, "gradient", True),
     }, use_remove_padding=False, param_dtype="bf16")
     print("RANK " + json.dumps({"rank": rank, "fp32": fp32, "bf16": bf16}), flush=True)
     torch.distributed.destroy_process_group()

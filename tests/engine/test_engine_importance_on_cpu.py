@@ -4,7 +4,9 @@ batch size and parameter offload; the call leaves parameters, grads and optimize
 them; the fused path (verl's old-log-prob pass that also yields importance) returns log-probs and
 entropy bit-identical to verl's own pass and bit-identical importance, in fp32 and in bf16 mixed
 precision (FSDP2 ``param_dtype=bf16``, as real runs); and with the noise set to zero, the noisy KL
-and its gradient are exactly 0 (the clean and the noisy outcome are the same computation). The
+and its gradient are exactly 0 (the clean and the noisy outcome are the same computation). Every case
+runs with verl's default gradient checkpointing, which OAR-G's pass applies in eval mode (its backward
+recomputes the FSDP2 layers), and gives the same bits with it switched off. The
 engine runs in a subprocess (tests/engine/conftest.py): torch.distributed's process group is process-global."""
 
 from __future__ import annotations
@@ -56,3 +58,11 @@ def test_zero_noise_gives_exactly_zero_objective_and_gradient(cases):
     assert {case.get("param_dtype", "fp32") for case in checked} == {"fp32", "bf16"}
     for case in checked:
         assert case["zero_noise_max_importance"] == 0.0, (_name(case), case)
+
+
+def test_gradient_checkpointing_is_on_and_changes_no_bit(cases):
+    """verl's ``enable_gradient_checkpointing=true`` (its default, kept by these workers): OAR-G's pass recomputes
+    the decoder layers in its backward, sharded FSDP2 layers included, and the importance is bit-identical to the
+    pass with checkpointing off, in fp32 and bf16, packed and padded; the other tests above ran checkpointed."""
+    for case in cases:
+        assert case["gradient_checkpointing"] and case["checkpointed_importance_identical"], (_name(case), case)

@@ -6,7 +6,9 @@ By default the parameters stay sharded: both ranks make the same forwards and th
 mismatch would crash or hang: the run has a timeout), no reduce-scatter, and the largest parameter bytes
 unsharded at once stay at verl's own old-log-prob forward's; with ``algorithm.oar.gather_params`` the whole
 model is gathered once per pass (one all-gather per FSDP2 module; the unsharded count is then the whole
-model, which shows the count sees such a gather), with the same bits. Each rank's fp32 importance equals a
+model, which shows the count sees such a gather), with the same bits. OAR-G runs with verl's default gradient
+checkpointing (its backward recomputes each sharded layer, inside the all-gather FSDP2 makes for the backward
+anyway): the same bits and the same all-gathers as with it switched off. Each rank's fp32 importance equals a
 one-process plain-transformers reference, the fused log-probs and entropy are verl's own bit for bit, and
 parameters, grads and optimizer state come back unchanged and sharded.
 
@@ -27,6 +29,10 @@ import pytest
 
 HERE = os.path.dirname(__file__)
 WORKERS = ("fp32", "bf16")  # fp32 packed rows (use_remove_padding) and bf16 padded rows
+
+
+def _plain(worker: dict) -> list[str]:
+    return [name for name in worker["passes"] if name.endswith("_plain")]
 
 
 def _sharded(worker: dict) -> list[str]:
@@ -64,7 +70,7 @@ def test_ranks_really_make_different_numbers_of_model_calls(ranks):
 def test_each_rank_equals_the_one_process_reference(ranks):
     for r in ranks:
         results = r["fp32"]["results"]
-        assert len([n for n in results if "err" in results[n]]) == 7, results
+        assert len([n for n in results if "err" in results[n]]) == 8, results
         for name, result in results.items():
             tolerance = 1e-2 if name.startswith("p_") else 1e-3
             assert result["scale"] > 0 and result["err"] <= tolerance * result["scale"], (r["rank"], name, result)
@@ -119,3 +125,19 @@ def test_parameters_unchanged_and_sharded_again(ranks):
     for r in ranks:
         for worker in WORKERS:
             assert r[worker]["state_unchanged"] and r[worker]["sharded_after"], (r["rank"], worker)
+
+
+def test_gradient_checkpointing_changes_no_bit_and_no_all_gather(ranks):
+    for r in ranks:
+        for worker in WORKERS:
+            w = r[worker]
+            assert w["checkpointed_layers"] == 2 and _plain(w), w  # verl's default: every OAR-G pass checkpointed
+            for name in _plain(w):
+                checkpointed = name[: -len("_plain")]
+                assert w["results"][name]["identical_to_checkpointed"], (r["rank"], worker, name)
+                assert w["passes"][name]["collectives"] == w["passes"][checkpointed]["collectives"], (name, w["passes"])
+                assert w["passes"][name]["forwards"] == w["passes"][checkpointed]["forwards"], (name, w["passes"])
+                # the checkpointed backward recomputed the layers: their attention ran once more per layer in each
+                # of the 2 micro-batches' backwards (one sample each; rank 1's first one on a stand-in)
+                recomputed = w["passes"][checkpointed]["attention_calls"] - w["passes"][name]["attention_calls"]
+                assert recomputed == w["checkpointed_layers"] * 2, (r["rank"], name, w["passes"])

@@ -476,3 +476,46 @@ def test_relative_noise_is_scaled_by_each_tokens_embedding_rms():
     torch.testing.assert_close(bf.float(), relative, rtol=1e-2, atol=1e-6)
     with pytest.raises(ValueError, match="noise_relative"):
         GradientConfig(noise_relative="yes")
+
+
+@pytest.mark.parametrize("objective", ["noisy_kl", "loglik"])
+@pytest.mark.parametrize("precision", ["fp32", "fp32+bf16-autocast", "bf16"])
+def test_gradient_checkpointing_gives_the_same_bits(precision, objective):
+    """verl's ``enable_gradient_checkpointing`` (``gradient_checkpointing_enable()``) on a model in eval mode, as the
+    engine runs the pass: :class:`OutcomeHead` checkpoints its layers in the pass with grad, and the importance is
+    bit-identical to the same model's without checkpointing (the recomputation is the same kernels on the same
+    inputs, under the forward's autocast). The layers' modes are untouched -- attention dropout 0.5 stays off in
+    eval -- and nothing is left on the model."""
+    import copy
+    from contextlib import nullcontext
+
+    from verl_oar.core.hf import OutcomeHead, checkpointed_layers
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                         attention_dropout=0.5)
+    plain = Qwen2ForCausalLM(config).to(torch.bfloat16 if precision == "bf16" else torch.float32).eval()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed_layers(plain) == [] and len(checkpointed_layers(checkpointed)) == 3
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if "autocast" in precision else nullcontext
+    b = make_batch(plain, seed=7, lengths=[30, 22, 27])
+    inputs = {"input_ids": b["ids"], "attention_mask": b["attention"]}
+    cfg = GradientConfig(objective=objective)
+    noise = torch.randn(*b["ids"].shape, HIDDEN, generator=torch.Generator().manual_seed(1))
+
+    def importance(model):
+        head = OutcomeHead(model, b["predict"], 0.9, autocast())
+        return gradient_importance_in_forward(lambda t: head.run(inputs, t, full_logits=False)[1], b["reasoning"],
+                                              b["predict"], b["targets"], b["segment"], 3, cfg, noise=noise)
+
+    recomputed = []
+    for layer in checkpointed.model.layers:  # the recomputation calls the layer's own forward a second time
+        layer.self_attn.register_forward_hook(lambda *_: recomputed.append(1))
+    want, got = importance(plain), importance(checkpointed)
+    clean_pass = 3 if objective == "noisy_kl" else 0  # no grad: not checkpointed
+    assert len(recomputed) == clean_pass + 2 * 3  # with grad: once in the forward, once in the backward
+    assert (want[b["reasoning"]] > 0).all() and torch.equal(got, want)
+    assert not any(m.training for m in checkpointed.modules())
+    assert not any("forward" in layer.__dict__ for layer in checkpointed.model.layers)

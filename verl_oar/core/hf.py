@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import replace
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable
 
 import torch
@@ -30,8 +30,8 @@ from verl_oar.core.gradient import GradientConfig, gradient_importance
 from verl_oar.core.outcome import padded_predicting_positions
 from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
 
-__all__ = ["HFPrefixModel", "HFRowsModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix", "hf_importance",
-           "make_hf_logits_fn"]
+__all__ = ["HFPrefixModel", "HFRowsModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix",
+           "checkpointed_layers", "hf_importance", "make_hf_logits_fn", "recomputed_in_backward"]
 
 def _unwrapped(module):
     return getattr(module, "module", module)
@@ -186,6 +186,53 @@ def _final_hidden(output) -> Tensor:
     return output if torch.is_tensor(output) else output[0]
 
 
+def checkpointed_layers(model) -> list:
+    """The layers of ``model`` that transformers would checkpoint in training mode: its
+    ``GradientCheckpointingLayer`` modules (decoder layers) whose ``gradient_checkpointing`` flag
+    ``gradient_checkpointing_enable()`` set (verl calls it for
+    ``actor_rollout_ref.model.enable_gradient_checkpointing``).
+    Empty when checkpointing is off, and for models that checkpoint in their own forward loop (remote code written
+    before transformers 4.52's ``GradientCheckpointingLayer``): those keep every activation in OAR-G's pass."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers < 4.52
+        return []
+    return [m for m in model.modules()
+            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing is True]
+
+
+@contextmanager
+def recomputed_in_backward(layers: list):
+    """Inside the block, a call of each of ``layers`` keeps only its inputs for the backward and recomputes its
+    activations there (``torch.utils.checkpoint``, non-reentrant: ``torch.autograd.grad`` works through it).
+
+    How: the layer's ``forward`` is shadowed by an instance attribute, so ``nn.Module.__call__`` and its hooks
+    (FSDP's gathers, transformers' output capture) run as before and only the layer's own computation is
+    checkpointed; the recomputation calls the original ``forward`` directly, with the autocast state and RNG state of
+    the forward, so the backward sees the same bits. Mode flags (``training``) are not touched: dropout and every
+    other train/eval difference stay as the caller set them. Restored on exit (the backward may run after it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    shadowed = []
+    try:
+        for layer in layers:
+            own = layer.__dict__.get("forward")  # an instance forward someone else set: wrapped, then put back
+            original = layer.forward
+
+            def checkpointed(*args, _original=original, **kwargs):
+                return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+
+            layer.forward = checkpointed
+            shadowed.append((layer, own))
+        yield
+    finally:
+        for layer, own in shadowed:
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own
+
+
 class OutcomeHead:
     """The outcome logits of a transformers causal LM, computed the same way in every OAR-G pass.
 
@@ -199,6 +246,14 @@ class OutcomeHead:
     Models that post-process ``lm_head``'s output are supported when they say so in their config
     (``final_logit_softcapping``: Gemma-2/3; ``logit_scale``: Cohere; ``logits_scaling``: Granite);
     any other difference is caught by :meth:`check` on passes that compute full logits.
+
+    Gradient checkpointing: verl runs the pass in eval mode, where transformers' own checkpointing does nothing
+    (its layers checkpoint only when ``training``). A call with grad enabled therefore checkpoints the layers
+    whose ``gradient_checkpointing`` flag is set (:func:`checkpointed_layers`, :func:`recomputed_in_backward`):
+    the backward keeps each layer's input, (T, H) per layer, and recomputes one layer's activations at a time
+    instead of keeping every layer's. The forward's values are the same computation; the recomputation is the
+    same kernels on the same inputs, so importance is bit-identical to the pass without it (CPU tests, fp32 and
+    bf16). Calls without grad (the clean pass, verl's log-probs) are untouched.
     """
 
     def __init__(self, module, predict: Tensor, temperature: Tensor | float, autocast: AbstractContextManager):
@@ -224,6 +279,8 @@ class OutcomeHead:
         self.temperature = temperature
         self.autocast = autocast
         self.slim = {"logits_to_keep": 1} if accepts_logits_to_keep(module) else {}
+        self.checkpointed = checkpointed_layers(model)
+        """layers recomputed in the backward of a call with grad (empty: gradient checkpointing is off)"""
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(N, H) final hidden states -> (N, V) logits in the model's compute dtype."""
@@ -252,8 +309,9 @@ class OutcomeHead:
         hooks = [self.decoder.register_forward_hook(outcome)]
         if transform is not None:
             hooks.append(self.embedding.register_forward_hook(lambda _m, _i, out: transform(out)))
+        recompute = self.checkpointed if torch.is_grad_enabled() else []
         try:
-            with self.autocast:
+            with self.autocast, recomputed_in_backward(recompute):
                 raw = self.module(**model_inputs, use_cache=False, **({} if full_logits else self.slim))
             if "logits" not in captured:
                 raise RuntimeError(f"{type(self.decoder).__name__} was not called by the model's forward")

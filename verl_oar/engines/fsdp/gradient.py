@@ -11,6 +11,22 @@ gathers in every forward and in the backward, so this rank makes the same calls 
 predicting and one scored position: the same forwards, the same backward through every layer) and
 returns zeros; with ``with_log_probs`` its log-probs are the real ones (they do not depend on the masks).
 
+Gradient checkpointing: verl calls ``gradient_checkpointing_enable()`` on the model for
+``actor_rollout_ref.model.enable_gradient_checkpointing=true`` (its default), but runs this pass inside
+``engine.eval_mode()``, where transformers' layers do not checkpoint (only when ``training``): the backward kept
+every layer's activations (tens of GiB at the recipes' 6-16k-token budgets). ``core.hf.OutcomeHead`` therefore
+checkpoints the layers whose flag is set itself, in its call with grad: each layer's ``forward`` is shadowed for
+that call by ``torch.utils.checkpoint`` (non-reentrant) around the original, so the backward keeps each layer's
+input and recomputes its activations. Chosen over putting the layers in training mode, which would also switch on
+any layer-level dropout (OPT, Falcon, ... read ``self.training`` in their layer's forward) and any other
+train/eval difference; shadowing ``forward`` changes nothing but what autograd keeps. Exact: the recomputation runs
+the same kernels on the same inputs under the forward's autocast, so importance is bit-identical to the pass
+without it (fp32 and bf16, tests), and the clean and verl's log-prob forwards (no grad) are untouched. FSDP2: the
+shadowed ``forward`` runs inside the layer's ``__call__``, after FSDP2's pre-forward all-gather; in the backward
+FSDP2's pre-backward hook all-gathers the layer as it does without checkpointing and the recomputation reads those
+unsharded parameters (FSDP2's own forward hooks do not run again), so every rank makes the same all-gathers as
+before, as many with checkpointing as without (tests/engine/test_engine_multirank_on_cpu.py).
+
 Layouts: inside a micro-batch the engine either packs rows into (1, total_nnz [+pad]) or pads them
 to (bs, max_len); every per-position mask below is built in that same layout, with ``segment``
 naming the sample each position belongs to (-1 on padding).
