@@ -139,9 +139,9 @@ def test_activations_per_token_and_layer_are_what_autograd_keeps(dtype):
     assert per_token_layer == ModelShape.from_hf_config(config).saved_per_token_layer(_bytes(dtype))
 
 
-def test_gradient_checkpointing_does_not_apply_in_eval_mode():
-    """verl's engines run the importance pass in eval mode, where transformers does not checkpoint: OAR-G keeps
-    every activation with or without ``enable_gradient_checkpointing`` (in training mode it would keep far less)."""
+def test_transformers_does_not_checkpoint_in_eval_mode():
+    """verl's engines run the importance pass in eval mode, where transformers' own checkpointing does nothing (in
+    training mode it would keep far less): why OAR-G's head checkpoints the layers itself (next tests)."""
     ids = torch.randint(0, 128, (1, 64))
     plain, _ = _qwen2()
     checkpointed, _ = _qwen2()
@@ -153,20 +153,18 @@ def test_gradient_checkpointing_does_not_apply_in_eval_mode():
 # --- whole passes, measured ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("objective", ["noisy_kl", "loglik"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_oar_g_pass_peak(dtype, objective):
-    """The importance pass as engines/fsdp/gradient.py runs it (not fused), with plain transformers: the
-    estimate is at most 15% above the measured peak and never below it."""
+def _oar_g_measured(dtype, objective: str = "noisy_kl", checkpointing: bool = False, rows: int = 2, length: int = 96,
+                    layers: int = 2, answer: int = 4) -> tuple[int, torch.Tensor, object, RunShape]:
+    """Peak bytes of the importance pass as engines/fsdp/gradient.py runs it (not fused: ``core.hf.OutcomeHead`` +
+    ``core.gradient``) on plain transformers, its importance, the model's config and the run's shape."""
     from verl_oar.core.gradient import GradientConfig, gradient_importance_in_forward
     from verl_oar.core.hf import OutcomeHead
 
-    model, config = _qwen2(dtype, intermediate_size=256, vocab_size=256)
-    rows, length, answer = 2, 96, 4
+    model, config = _qwen2(dtype, intermediate_size=256, vocab_size=256, num_hidden_layers=layers)
+    if checkpointing:  # what verl does for actor_rollout_ref.model.enable_gradient_checkpointing=true
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     run = RunShape(rows * length, 16, length - 16, dtype_bytes=_bytes(dtype), answer_tokens=answer, fsdp=False)
-    predicted = estimate(ModelShape.from_hf_config(config), run,
-                         EstimatorSettings("oar_g", objective=objective, fuse_log_prob=False)).pass_bytes
-    ids = torch.randint(1, 256, (rows, length))
+    ids = torch.randint(1, 256, (rows, length), generator=torch.Generator().manual_seed(length))
     reasoning = torch.zeros(rows, length, dtype=torch.bool)
     reasoning[:, 16 : length - answer - 2] = True
     predict = torch.zeros_like(reasoning)
@@ -174,10 +172,61 @@ def test_oar_g_pass_peak(dtype, objective):
     segment = torch.arange(rows).unsqueeze(1).expand(rows, length).contiguous()
     head = OutcomeHead(model, predict, 1.0, nullcontext())
     with LivePeak() as tracked:
-        gradient_importance_in_forward(lambda transform: head.run({"input_ids": ids}, transform, full_logits=False)[1],
-                                       reasoning, predict, torch.roll(ids, -1, 1), segment, rows,
-                                       GradientConfig(objective=objective), generator=torch.Generator().manual_seed(0))
-    assert tracked.peak <= predicted <= 1.15 * tracked.peak, (predicted, tracked.peak)
+        importance = gradient_importance_in_forward(
+            lambda transform: head.run({"input_ids": ids}, transform, full_logits=False)[1], reasoning, predict,
+            torch.roll(ids, -1, 1), segment, rows, GradientConfig(objective=objective),
+            generator=torch.Generator().manual_seed(0))
+    return tracked.peak, importance, config, run
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("objective", ["noisy_kl", "loglik"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_oar_g_pass_peak(dtype, objective, checkpointing):
+    """The importance pass as engines/fsdp/gradient.py runs it (not fused), with plain transformers, with and
+    without verl's gradient checkpointing: the estimate is at most 15% above the measured peak and never below it."""
+    measured, _, config, run = _oar_g_measured(dtype, objective, checkpointing)
+    settings = EstimatorSettings("oar_g", objective=objective, fuse_log_prob=False,
+                                 gradient_checkpointing=checkpointing)
+    predicted = estimate(ModelShape.from_hf_config(config), run, settings).pass_bytes
+    assert measured <= predicted <= 1.15 * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_checkpointing_keeps_each_layers_input_only(dtype):
+    """With ``enable_gradient_checkpointing`` (verl's default) OAR-G's pass keeps, per token and layer, the layer's
+    input (h b bytes) instead of its activations: the measured peak's slope in layers x tokens is exactly h b, as
+    the estimate's, where the plain pass's is the activations' (``saved_per_token_layer``, 14x more here)."""
+    peaks = {(c, layers, length): _oar_g_measured(dtype, checkpointing=c, layers=layers, length=length)[0]
+             for c in (False, True) for layers in (2, 4) for length in (64, 128)}
+
+    def slope(c: bool) -> float:  # bytes per token per layer: 2 rows x 64 more tokens, 2 more layers
+        return ((peaks[c, 4, 128] - peaks[c, 2, 128]) - (peaks[c, 4, 64] - peaks[c, 2, 64])) / (2 * 64 * 2)
+
+    _, _, config, _ = _oar_g_measured(dtype, layers=2, length=64)
+    shape, b = ModelShape.from_hf_config(config), _bytes(dtype)
+    assert slope(True) == shape.hidden * b
+    assert slope(False) >= 0.9 * shape.saved_per_token_layer(b) > 10 * shape.hidden * b
+    for length in (64, 128):
+        assert peaks[True, 4, length] < 0.5 * peaks[False, 4, length], peaks
+    run = RunShape(2 * 128, 16, 112, dtype_bytes=b, answer_tokens=4, fsdp=False)  # the estimate's slope in layers
+    checkpointed = EstimatorSettings("oar_g", fuse_log_prob=False, gradient_checkpointing=True)
+    est = {n: estimate(replace(shape, layers=n), run, checkpointed).pass_bytes for n in (2, 4)}
+    assert (est[4] - est[2]) / (2 * 2 * 128) == shape.hidden * b
+
+
+def test_gradient_checkpointing_estimate_at_the_recipes_budgets():
+    """Qwen2.5-Math 1.5B / 7B, bf16, 16k-token log-prob micro-batches: checkpointing takes OAR-G's pass (noisy KL)
+    from tens of GiB to a few, below verl's own old-log-prob pass (its (T, V) logits): nothing extra."""
+    gib = 1 << 30
+    for shape, plain_above, checkpointed_below in ((QWEN_1_5B, 40, 5), (QWEN_7B, 90, 12)):
+        model = ModelShape.from_hf_config(_config(shape))
+        run = RunShape(16384, 1024, 3072)
+        plain = estimate(model, run, EstimatorSettings("oar_g"))
+        kept = estimate(model, run, EstimatorSettings("oar_g", gradient_checkpointing=True))
+        assert plain.pass_bytes > plain_above * gib > checkpointed_below * gib > kept.pass_bytes, (plain, kept)
+        assert kept.extra_bytes == 0 < plain.extra_bytes
+        assert "with gradient checkpointing" in kept.notes[0] and "without gradient checkpointing" in plain.notes[0]
 
 
 def _oar_p_measured(dtype, mode: str, response: int, samples: int = 3, answer: int = 4, budget: int = 16):
@@ -235,21 +284,27 @@ def test_oar_p_cost_matches_the_batching_benchmarks_count_and_the_closed_form():
     assert oar_p_cost_passes(recipe, EstimatorSettings("oar_p")) == pytest.approx(closed, rel=0.02)
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["one-temperature", "per-row-temperatures"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_acpo_blocks_are_what_top1_log_probs_holds(dtype):
-    """``engines.fsdp.modal.top1_log_probs`` on CPU blocks: the estimate's blocks are the measured ones (a block and
-    the previous one until the loop rebinds it; and the fp32 copy when the logits are not fp32), or one more."""
+def test_acpo_holds_one_block_and_the_estimate_is_what_top1_log_probs_holds(dtype, per_row):
+    """``engines.fsdp.modal.top1_log_probs`` on CPU blocks (float32 and bfloat16 logits): beyond its (N,) result (and,
+    with one temperature per row, their (N,) reciprocals) it holds one float32 block and one (rows,) row statistic,
+    never a second block; the estimate is that, exactly with per-row temperatures (verl's packed pass)."""
     from verl_oar.engines.fsdp.modal import BLOCK_BYTES, top1_log_probs
 
-    block = BLOCK_BYTES["cpu"]
-    logits = torch.randn(3000, 1000).to(dtype)
+    n, vocab = 3000, 1000
+    rows = BLOCK_BYTES["cpu"] // (4 * vocab)
+    block = rows * vocab * 4
+    logits = torch.randn(n, vocab).to(dtype)
+    temperature = torch.rand(n) + 0.5 if per_row else 0.7
     with LivePeak() as tracked:
-        out = top1_log_probs(logits, 0.7)
-    measured = tracked.peak - out.numel() * out.element_size()
-    model = ModelShape(64, 2, 4, 2, 16, 128, 1000, True)
-    est = estimate(model, RunShape(3000, 0, 3000, dtype_bytes=_bytes(dtype), fsdp=False),
-                   EstimatorSettings("acpo", acpo_block_bytes=block))
-    assert measured <= est.extra_bytes <= measured + block, (est.extra_bytes, measured)
+        out = top1_log_probs(logits, temperature)
+    results = out.numel() * out.element_size() * (2 if per_row else 1)  # the result, the reciprocal temperatures
+    assert tracked.peak - results <= block + 4 * rows + 4, (tracked.peak - results, block)  # + a 0-dim temperature
+    model = ModelShape(64, 2, 4, 2, 16, 128, vocab, True)
+    est = estimate(model, RunShape(n, 0, n, dtype_bytes=_bytes(dtype), fsdp=False),
+                   EstimatorSettings("acpo", acpo_block_bytes=BLOCK_BYTES["cpu"]))
+    assert tracked.peak <= est.extra_bytes <= tracked.peak + (0 if per_row else 4 * n), (est.extra_bytes, tracked.peak)
 
 
 # --- the decision, on given numbers ------------------------------------------------------------------------------
@@ -420,7 +475,7 @@ def test_startup_block_for_every_estimator(estimator, model_dir):
     if estimator == "oar_p":
         assert "perturb_mode=chunk, K=16: ~" in block and "log-prob passes of tokens per response" in block
     if estimator == "oar_g":
-        assert "oar_g pass" in block and "enable_gradient_checkpointing does not apply" in block
+        assert "oar_g pass" in block and "gradient checkpointing:" in block
 
 
 def test_startup_block_says_why_when_the_model_config_cannot_be_read(tmp_path, capsys):

@@ -23,8 +23,14 @@ Formulas (each checked where marked; the rest are marked rough and named so in t
   the rsqrt and the normalised output; the projections' shared inputs; q, k, v, out; the MLP's gate, its SiLU, up
   and their product); ``kv' = q`` where SDPA is given a mask (transformers then repeats the KV heads), else ``kv``
   -- equals the bytes autograd saves in a transformers Qwen2 (CPU test, fp32 and bf16). Eager attention also saves
-  the (H, T, T) attention weights: not modelled. verl runs the importance pass in eval mode, so
-  ``enable_gradient_checkpointing`` does not apply (transformers checkpoints only in training mode; CPU test);
+  the (H, T, T) attention weights: not modelled;
+- with gradient checkpointing (``enable_gradient_checkpointing``, verl's default; ``EstimatorSettings``): OAR-G's
+  pass checkpoints the decoder layers itself (``core.hf.OutcomeHead``: verl runs the pass in eval mode, where
+  transformers does not): each layer's input ``h b`` per token per layer is kept, and one layer's activations above
+  are recomputed at a time in the backward -- the per-layer slope equals the measured one (CPU test). Above the
+  kept inputs the pass peaks at the largest of three moments: the forward's end (fused ``loglik``: verl's full
+  logits), the outcome's backward (the outcome logits), a layer's recomputation (its activations and the backward
+  transient);
 - a no-grad forward's transient at one layer: ``(3 I + 4 h + 2 d) b`` per token (the MLP's up, SiLU and product,
   four hidden-sized tensors, the rotary cos / sin) -- within a few percent of a measured forward (CPU test); rough
   on GPU (kernel workspaces);
@@ -36,10 +42,12 @@ Formulas (each checked where marked; the rest are marked rough and named so in t
 Per estimator, the pass and its peak (``estimate``):
 
 - ``oar_g``: verl's clean pass, then a forward with grad (logits only at the ``n a`` predicting positions) and a
-  backward to the input embeddings: the activations of ``T`` tokens, the embeddings, noise and their gradient
-  (``3 T h b``), the outcome logits in fp32 (``n a V (b + 16)``, rough) and the backward's transient (``2 T I b``,
+  backward to the input embeddings: the activations of ``T`` tokens (every layer's, or with gradient
+  checkpointing every layer's input and one layer's activations), the embeddings, noise and their gradient
+  (``3 T h b``; ``loglik`` has no noise: ``2 T h b``),
+  the outcome logits in fp32 (``n a V (b + 16)``, rough) and the backward's transient (``2 T I b``,
   rough). ``objective=loglik`` fused computes verl's full logits in that forward with grad: activations + logits.
-  The whole pass is within about 10% above a measured one (CPU test).
+  The whole pass is within 15% above a measured one, with and without checkpointing (CPU test).
 - ``oar_p``: no grad; the model calls ``core.batched_perturbation.plan_calls`` makes for a micro-batch of ``n``
   full-length samples (prompts, clean rows, occluded copies; ``perturb_mode`` and ``K`` decide the copies; the
   refined chunks of ``hierarchical`` are assumed evenly spread, ``line`` is counted as ``chunk``). Held while the
@@ -50,9 +58,10 @@ Per estimator, the pass and its peak (``estimate``):
   that returns its caches holds them three times (the model's, the stacked layers, the per-row copies) beside its
   logits ``rows a V b``; then its logits reduced in fp32 (``rows a V (b + 12)``, rough: one call's logits at a
   time, nothing of size V outliving the call). The whole pass is within about 10% of a measured one (CPU test).
-- ``acpo`` (modal): verl's pass plus ``acpo_block_bytes`` fp32 blocks: two when the logits are fp32 (a block's
-  shifted values, and the previous block's until the loop rebinds its name), three otherwise (and its fp32 copy)
-  -- measured on CPU (test).
+- ``acpo`` (modal): verl's pass plus one fp32 block of ``acpo_block_bytes`` (``rows = block // (4 V)`` rows: the
+  block's shifted values, written into one buffer reused by every block, the fp32 copy of bf16 logits made in it),
+  one (rows,) row statistic at a time, the (T,) fp32 result and the (T,) reciprocal temperatures -- equal to the
+  measured peak on CPU, fp32 and bf16 logits (test).
 - ``cscr``, ``oppo``: verl's ``compute_log_prob`` over K x the batch in verl's own micro-batches: the same peak
   (no entropy): nothing extra. ``oppo`` with ``oracle=teacher``: the teacher's log-prob pass (its parameters stay
   in CPU memory, FSDP2 gathers its root and a layer or two at a time) with the reference model's budget.
@@ -215,6 +224,9 @@ class EstimatorSettings:
     acpo_modal: bool = True
     acpo_block_bytes: int = 256 << 20
     """``engines.fsdp.modal.DEFAULT_BLOCK_BYTES`` (passed in by the caller: core does not import engines)"""
+    gradient_checkpointing: bool = False
+    """the importance model's ``actor_rollout_ref.model.enable_gradient_checkpointing`` (verl's default true): OAR-G
+    keeps each layer's input instead of every layer's activations. False (not known) estimates the larger pass."""
     rescore_copies: int = 0
     """rows re-scored per response by verl's compute_log_prob (CSCR 2, OPPO 1; the teacher's 2)"""
     teacher: ModelShape | None = None
@@ -290,15 +302,25 @@ def _oar_g(model: ModelShape, run: RunShape, s: EstimatorSettings) -> list[Term]
     b, T = run.dtype_bytes, run.tokens
     predicting = run.samples * run.answer_tokens
     repeated = run.attention == "sdpa"
-    saved = T * (model.layers * model.saved_per_token_layer(b, repeated) + 4 * model.hidden + 4 + b * model.hidden)
-    terms = [Term("activations kept for the backward", saved),
-             Term("embeddings, noise, their gradient", 3 * T * model.hidden * b),
-             Term("outcome logits (N x V) and their fp32 math", predicting * model.vocab * (b + 16), rough=True)]
-    fused_full_logits = s.objective == "loglik" and s.fuse_log_prob
-    if fused_full_logits:  # verl's log-probs come from this forward: its full logits exist beside the activations
-        terms += [t for t in _log_prob_pass(model, T, run, entropy=True) if t.name != "forward transient"]
-    terms.append(Term("backward transient", 2 * T * model.intermediate * b, rough=True))
-    return terms
+    outside = T * (4 * model.hidden + 4 + b * model.hidden)  # the final norm's fp32 input, rsqrt and output
+    noisy = s.objective == "noisy_kl"
+    embeddings = Term("embeddings, noise, their gradient" if noisy else "embeddings, their gradient",
+                      (3 if noisy else 2) * T * model.hidden * b)
+    outcome = Term("outcome logits (N x V) and their fp32 math", predicting * model.vocab * (b + 16), rough=True)
+    full_logits: list[Term] = []
+    if s.objective == "loglik" and s.fuse_log_prob:  # verl's log-probs come from this forward: its full logits
+        full_logits = [t for t in _log_prob_pass(model, T, run, entropy=True) if t.name != "forward transient"]
+    transient = Term("backward transient", 2 * T * model.intermediate * b, rough=True)
+    if not s.gradient_checkpointing:  # every layer's activations through the whole pass: everything at once
+        saved = T * model.layers * model.saved_per_token_layer(b, repeated) + outside
+        return [Term("activations kept for the backward", saved), embeddings, outcome, *full_logits, transient]
+    # each layer's input kept through the pass; above it the largest of three moments: the end of the forward
+    # (fused: the full logits), the outcome's backward, one layer's activations recomputed with its backward's
+    kept = [Term("layer inputs kept (gradient checkpointing)", T * model.layers * model.hidden * b + outside),
+            embeddings]
+    recomputed = [Term("one layer's activations, recomputed", T * model.saved_per_token_layer(b, repeated)), transient]
+    moments = [full_logits, [outcome], recomputed]
+    return kept + max(moments, key=lambda terms: sum(t.bytes for t in terms))
 
 
 def _span_starts(reasoning: int, mode: str, k: int, m: int, u: int) -> list[list[int]]:
@@ -405,14 +427,18 @@ def estimate(model: ModelShape, run: RunShape, settings: EstimatorSettings) -> M
     cost = None
     if name == "oar_g":
         own = _gather_terms(model, run, whole) + _oar_g(model, run, settings)
-        notes.append("activations are kept for the input-gradient backward; verl's enable_gradient_checkpointing does "
-                     "not apply (the importance pass runs in eval mode)")
+        notes.append("with gradient checkpointing: each layer's input is kept for the input-gradient backward and one "
+                     "layer's activations are recomputed at a time" if settings.gradient_checkpointing else
+                     "without gradient checkpointing: every layer's activations are kept for the input-gradient "
+                     "backward (actor_rollout_ref.model.enable_gradient_checkpointing=true keeps only each layer's "
+                     "input)")
     elif name == "oar_p":
         own = _gather_terms(model, run, whole) + _oar_p(model, run, settings)
         cost = oar_p_cost_passes(run, settings)
     elif name == "acpo" and settings.acpo_modal:
-        blocks = 2 if run.dtype_bytes == 4 else 3
-        own = verl + [Term(f"top-1 log-prob blocks ({blocks} fp32 blocks)", blocks * settings.acpo_block_bytes)]
+        rows = min(max(1, settings.acpo_block_bytes // (4 * model.vocab)), run.tokens)
+        own = verl + [Term("top-1 log-prob block (fp32), a row statistic, the (T,) result and 1 / temperature",
+                           rows * model.vocab * 4 + rows * 4 + 2 * run.tokens * 4)]
     elif name == "oppo" and settings.teacher is not None:
         t, tokens = settings.teacher, max(settings.teacher_micro_batch_tokens or run.tokens, run.sequence)
         own = ([Term("teacher's gathered root + 2 layers (parameters stay in CPU memory)",
