@@ -2,11 +2,12 @@
 worker's decision on given numbers, and the driver's log block (``integration.memory_check``).
 
 Exact checks: the parameter count, the KV cache and logits a Qwen2 returns, the bytes autograd keeps for OAR-G's
-backward (fp32 and bf16). Whole passes: OAR-G (``core.hf.OutcomeHead`` + ``core.gradient``) and OAR-P
-(``core.batched_perturbation`` over ``core.hf.HFRowsModel``) are run under a ``TorchDispatchMode`` that tracks every
-storage an op creates while any tensor on it lives (the CPU has no ``max_memory_allocated``): their peak above the
-model's weights is compared with the estimate. What only a GPU can check (CUDA kernels' workspaces, the caching
-allocator, flash-attention) is tests/gpu/test_memory_estimate.py.
+backward (fp32 and bf16), and with gradient checkpointing the per-layer slope of OAR-G's peak (each layer's input).
+Whole passes: OAR-G (``core.hf.OutcomeHead`` + ``core.gradient``, with and without checkpointing), OAR-P
+(``core.batched_perturbation`` over ``core.hf.HFRowsModel``) and ACPO's top-1 blocks (``engines.fsdp.modal``) are
+run under a ``TorchDispatchMode`` that tracks every storage an op creates while any tensor on it lives (the CPU has
+no ``max_memory_allocated``): their peak above the model's weights is compared with the estimate. What only a GPU
+can check (CUDA kernels' workspaces, the caching allocator, flash-attention) is tests/gpu/test_memory_estimate.py.
 """
 
 from __future__ import annotations
