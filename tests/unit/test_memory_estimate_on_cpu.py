@@ -155,17 +155,17 @@ def test_transformers_does_not_checkpoint_in_eval_mode():
 
 
 def _oar_g_measured(dtype, objective: str = "noisy_kl", checkpointing: bool = False, rows: int = 2, length: int = 96,
-                    layers: int = 2, answer: int = 4) -> tuple[int, torch.Tensor, object, RunShape]:
+                    layers: int = 2, answer: int = 4, vocab: int = 256) -> tuple[int, torch.Tensor, object, RunShape]:
     """Peak bytes of the importance pass as engines/fsdp/gradient.py runs it (not fused: ``core.hf.OutcomeHead`` +
     ``core.gradient``) on plain transformers, its importance, the model's config and the run's shape."""
     from verl_oar.core.gradient import GradientConfig, gradient_importance_in_forward
     from verl_oar.core.hf import OutcomeHead
 
-    model, config = _qwen2(dtype, intermediate_size=256, vocab_size=256, num_hidden_layers=layers)
+    model, config = _qwen2(dtype, intermediate_size=256, vocab_size=vocab, num_hidden_layers=layers)
     if checkpointing:  # what verl does for actor_rollout_ref.model.enable_gradient_checkpointing=true
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     run = RunShape(rows * length, 16, length - 16, dtype_bytes=_bytes(dtype), answer_tokens=answer, fsdp=False)
-    ids = torch.randint(1, 256, (rows, length), generator=torch.Generator().manual_seed(length))
+    ids = torch.randint(1, vocab, (rows, length), generator=torch.Generator().manual_seed(length))
     reasoning = torch.zeros(rows, length, dtype=torch.bool)
     reasoning[:, 16 : length - answer - 2] = True
     predict = torch.zeros_like(reasoning)
@@ -180,17 +180,20 @@ def _oar_g_measured(dtype, objective: str = "noisy_kl", checkpointing: bool = Fa
     return tracked.peak, importance, config, run
 
 
+@pytest.mark.parametrize("vocab", [256, 151936], ids=["small-vocab", "qwen-vocab"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("objective", ["noisy_kl", "loglik"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_oar_g_pass_peak(dtype, objective, checkpointing):
+def test_oar_g_pass_peak(dtype, objective, checkpointing, vocab):
     """The importance pass as engines/fsdp/gradient.py runs it (not fused), with plain transformers, with and
-    without verl's gradient checkpointing: the estimate is at most 15% above the measured peak and never below it."""
-    measured, _, config, run = _oar_g_measured(dtype, objective, checkpointing)
+    without verl's gradient checkpointing: the estimate is at most 15% above the measured peak and never below it.
+    Qwen's vocabulary makes the outcome logits' math the largest part (``OUTCOME_BYTES``, one constant for fp32 and
+    bf16 models: up to 20% above there)."""
+    measured, _, config, run = _oar_g_measured(dtype, objective, checkpointing, vocab=vocab)
     settings = EstimatorSettings("oar_g", objective=objective, fuse_log_prob=False,
                                  gradient_checkpointing=checkpointing)
     predicted = estimate(ModelShape.from_hf_config(config), run, settings).pass_bytes
-    assert measured <= predicted <= 1.15 * measured, (predicted, measured)
+    assert measured <= predicted <= (1.15 if vocab == 256 else 1.2) * measured, (predicted, measured)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

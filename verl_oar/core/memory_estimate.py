@@ -44,9 +44,9 @@ Per estimator, the pass and its peak (``estimate``):
 - ``oar_g``: verl's clean pass, then a forward with grad (logits only at the ``n a`` predicting positions) and a
   backward to the input embeddings: the activations of ``T`` tokens (every layer's, or with gradient
   checkpointing every layer's input and one layer's activations), the embeddings, noise and their gradient
-  (``3 T h b``; ``loglik`` has no noise: ``2 T h b``),
-  the outcome logits in fp32 (``n a V (b + 16)``, rough) and the backward's transient (``2 T I b``,
-  rough). ``objective=loglik`` fused computes verl's full logits in that forward with grad: activations + logits.
+  (``3 T h b``; ``loglik`` has no noise: ``2 T h b``), the outcome logits in fp32 and their math
+  (``n a V OUTCOME_BYTES``: 12 bytes per logit for noisy KL, 17 for loglik, measured) and the backward's transient
+  (``2 T I b``, rough). ``objective=loglik`` fused computes verl's full logits in that forward with grad: activations + logits.
   The whole pass is within 15% above a measured one, with and without checkpointing (CPU test).
 - ``oar_p``: no grad; the model calls ``core.batched_perturbation.plan_calls`` makes for a micro-batch of ``n``
   full-length samples (prompts, clean rows, occluded copies; ``perturb_mode`` and ``K`` decide the copies; the
@@ -80,14 +80,18 @@ import torch
 
 from verl_oar.core.batched_perturbation import Row, plan_calls
 
-__all__ = ["ENTROPY_COPIES", "ESTIMATORS", "MARKER_TOKENS", "OAR_P_MEASURED_COST", "RESERVE_BYTES", "RESERVE_FRACTION",
-           "EstimatorSettings", "FitDecision", "MemoryEstimate", "ModelShape", "RunShape", "Term", "decide_fit",
+__all__ = ["ENTROPY_COPIES", "ESTIMATORS", "MARKER_TOKENS", "OAR_P_MEASURED_COST", "OUTCOME_BYTES", "RESERVE_BYTES",
+           "RESERVE_FRACTION", "EstimatorSettings", "FitDecision", "MemoryEstimate", "ModelShape", "RunShape", "Term", "decide_fit",
            "estimate", "format_bytes", "oar_p_cost_passes", "training_state_bytes"]
 
 ESTIMATORS = ("oar_g", "oar_p", "acpo", "cscr", "oppo", "codapo")
 ENTROPY_COPIES = 1
 """vocabulary-wide temporaries of verl's entropy in the old-log-prob pass, per logit (rough: 0 when torch.compile
 fuses ``entropy_from_logits``, 2 in eager: the softmax and its product with the logits)"""
+OUTCOME_BYTES = {"noisy_kl": 12, "loglik": 17}
+"""bytes per outcome logit (N x V) at the peak of OAR-G's outcome math (rough): loglik's four fp32 (N, V) tensors
+(16); noisy KL's fp32 logits, a bf16 model's own and the per-sequence (S, V) fp32 pooling (10.2 / 11.5 bytes per
+logit measured in fp32 / bf16 with 4 answer tokens per sequence, fewer with more); CPU test, Qwen's vocabulary"""
 MARKER_TOKENS = 2
 """tokens between the reasoning and the answer (``\\boxed{``), rough"""
 OAR_P_MEASURED_COST: dict[str, float] = {}
@@ -306,7 +310,8 @@ def _oar_g(model: ModelShape, run: RunShape, s: EstimatorSettings) -> list[Term]
     noisy = s.objective == "noisy_kl"
     embeddings = Term("embeddings, noise, their gradient" if noisy else "embeddings, their gradient",
                       (3 if noisy else 2) * T * model.hidden * b)
-    outcome = Term("outcome logits (N x V) and their fp32 math", predicting * model.vocab * (b + 16), rough=True)
+    outcome = Term("outcome logits (N x V) and their fp32 math", predicting * model.vocab * OUTCOME_BYTES[s.objective],
+                   rough=True)
     full_logits: list[Term] = []
     if s.objective == "loglik" and s.fuse_log_prob:  # verl's log-probs come from this forward: its full logits
         full_logits = [t for t in _log_prob_pass(model, T, run, entropy=True) if t.name != "forward transient"]
