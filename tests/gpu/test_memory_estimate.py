@@ -88,18 +88,21 @@ def case_kv_logits() -> dict:
     return {"measured": cache + logits, "estimated": estimated, "exact": True}
 
 
-def case_oar_g(objective: str) -> dict:
+def case_oar_g(objective: str, checkpointing: bool = False) -> dict:
     from verl_oar.core.gradient import GradientConfig, gradient_importance_in_forward
     from verl_oar.core.hf import OutcomeHead
     from verl_oar.core.memory_estimate import EstimatorSettings, ModelShape, RunShape, estimate
 
     model, config = _model()
+    if checkpointing:  # what verl does for actor_rollout_ref.model.enable_gradient_checkpointing=true
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rows, prompt, response, answer = ROWS, PROMPT, RESPONSE, 8
     length = prompt + response
     run = RunShape(rows * length, prompt, response, dtype_bytes=2, answer_tokens=answer, fsdp=False,
                    attention="flash_attention_2")
     est = estimate(ModelShape.from_hf_config(config), run,
-                   EstimatorSettings("oar_g", objective=objective, fuse_log_prob=False))
+                   EstimatorSettings("oar_g", objective=objective, fuse_log_prob=False,
+                                     gradient_checkpointing=checkpointing))
     ids = torch.randint(1, VOCAB, (rows, length), device="cuda")
     reasoning = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
     reasoning[:, prompt : length - answer - 2] = True
@@ -175,6 +178,7 @@ CASES = {
     "kv_logits": case_kv_logits,
     "oar_g_noisy_kl": lambda: case_oar_g("noisy_kl"),
     "oar_g_loglik": lambda: case_oar_g("loglik"),
+    "oar_g_noisy_kl_checkpointed": lambda: case_oar_g("noisy_kl", checkpointing=True),
     "oar_p_chunk": lambda: case_oar_p("chunk"),
     "oar_p_exact": lambda: case_oar_p("exact"),
     "oar_p_hierarchical": lambda: case_oar_p("hierarchical"),

@@ -373,7 +373,7 @@ def test_a_refusal_names_the_knob_and_a_value_that_fits(dynamic):
     decision = decide_fit(est, total=40 * gib, resident=2 * gib)
     assert decision.refuse
     report = fit_report(plan, model, decision, est, 40 * gib, 2 * gib, 0)
-    assert "oar_g cannot fit this GPU" in report and "enable_gradient_checkpointing does not reduce it" in report
+    assert "oar_g cannot fit this GPU" in report and "enable_gradient_checkpointing=true" in report
     key = plan["budget_knob"] + "="
     value = int(report.split(key)[1].split()[0])
     tokens = value if dynamic else value * 4096
@@ -557,3 +557,18 @@ def test_the_workers_verdict_on_given_numbers():
     assert "rollout engine" in report and "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=" in report
     separate, _ = worker_verdict(kept, model, None, 80 * gib, params, 8, "actor")  # rollout on other GPUs
     assert not separate.refuse
+
+
+@pytest.mark.parametrize("overrides, checkpointing", [
+    ([], True),  # verl's default enable_gradient_checkpointing=true
+    (["actor_rollout_ref.model.enable_gradient_checkpointing=false"], False),
+    (["actor_rollout_ref.model.enable_activation_offload=true"], False),  # verl then switches checkpointing off
+])
+def test_the_plan_reads_verls_gradient_checkpointing(overrides, checkpointing):
+    from _verl_config import compose_ppo_config
+
+    from verl_oar.integration.memory_check import estimator_settings
+
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_g", *overrides])
+    settings, _, _ = estimator_settings(config)
+    assert settings.gradient_checkpointing is checkpointing

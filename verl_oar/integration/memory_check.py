@@ -103,8 +103,14 @@ def estimator_settings(config) -> tuple[EstimatorSettings, str, str | None]:
         corr = algorithm.get("rollout_correction", None)
         bypass = bool(corr and corr.get("bypass_mode", False))
         fused = oar.fuse_log_prob and oar.importance_model == "actor" and not bypass
+        model = config.actor_rollout_ref.model
+        # verl's enable_gradient_checkpointing (the ref model copies the actor's model config); with activation
+        # offload verl switches transformers' checkpointing off, so the OAR-G backward keeps every layer again
+        checkpointing = bool(model.get("enable_gradient_checkpointing", True)) and not bool(
+            model.get("enable_activation_offload", False))
         return EstimatorSettings(
-            name, objective=oar.objective, fuse_log_prob=fused, perturb_mode=oar.perturb_mode,
+            name, objective=oar.objective, fuse_log_prob=fused, gradient_checkpointing=checkpointing,
+            perturb_mode=oar.perturb_mode,
             perturb_budget=oar.perturb_budget, perturb_refine_top=oar.perturb_refine_top,
             perturb_refine_unit=oar.perturb_refine_unit, perturb_max_tokens=oar.perturb_max_tokens,
             gather_params=oar.gather_params), oar.importance_model, None
@@ -346,9 +352,10 @@ def knobs(plan: dict, model: ModelShape, usable: int, teacher: ModelShape | None
                        "(data.max_response_length) or a GPU with more memory")
     if name == "oar_g":
         oar_p = estimate(model, run, EstimatorSettings("oar_p")).pass_bytes
-        out.append(f"algorithm.adv_estimator=oar_p (no backward; its pass ~{format_bytes(oar_p)}). "
-                   "actor_rollout_ref.model.enable_gradient_checkpointing does not reduce it: the importance pass "
-                   "runs in eval mode, where transformers does not checkpoint")
+        if not settings.gradient_checkpointing and fits(replace(settings, gradient_checkpointing=True)):
+            out.append("actor_rollout_ref.model.enable_gradient_checkpointing=true (and enable_activation_offload="
+                       "false): the OAR-G backward then keeps each layer's input, not its activations")
+        out.append(f"algorithm.adv_estimator=oar_p (no backward; its pass ~{format_bytes(oar_p)})")
     if name == "acpo" and settings.acpo_modal:
         out.append("+algorithm.acpo.surrogate=sampled (reads verl's log-probs, no block of its own)")
     if name == "oppo" and teacher is not None:
