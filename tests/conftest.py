@@ -14,10 +14,12 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 E2E_LONGEST_FIRST = (
-    "e2e/test_testbed_demo_on_cpu.py", "e2e/test_resume_on_cpu.py", "e2e/test_upstream_series_on_cpu.py",
-    "e2e/test_bf16_e2e_on_cpu.py", "e2e/test_recipes_on_cpu.py",
+    "e2e/test_acpo_codapo_e2e_on_cpu.py", "e2e/test_privileged_e2e_on_cpu.py", "e2e/test_resume_on_cpu.py",
+    "e2e/test_testbed_demo_on_cpu.py", "e2e/test_upstream_series_on_cpu.py", "e2e/test_bf16_e2e_on_cpu.py",
+    "e2e/test_recipes_on_cpu.py",
 )
-"""the trainer-launch modules, longest first (about 230, 190, 140, 100, 95 s alone on 2 cores)"""
+"""the trainer-launch modules, longest first (3, 3, 2, 2, 1 + verl's tests, 1 and 1 launches; about 300, 280, 175,
+170, 170, 95 and 85 s in the full run on 2 cores of an AMD EPYC)"""
 
 SHARED_SESSION_FIXTURES = {
     "unit/test_import_graph_on_cpu.py": "fresh-interpreters",
