@@ -52,7 +52,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +67,24 @@ from verl_oar.core.hf import can_share_prefix, hf_importance
 from verl_oar.core.perturbation import PerturbationConfig
 from verl_oar.core.privileged_prompt import ground_truth
 from verl_oar.core.reshape import Fallback, importance_to_weights
+from verl_oar.tools.heatmap_config import RunConfig, RunConfigError, read_run_config, section_config, setting_sources
+from verl_oar.tools.heatmap_modal import CODAPO_NEEDS_GROUP, acpo_signal
 from verl_oar.tools.heatmap_privileged import PRIVILEGED, cscr_signal, oppo_signal
 
 __all__ = ["ESTIMATORS", "HeatmapInputError", "Oracle", "Sample", "load_oracle", "main", "make_sample",
            "oar_g_importance", "oar_p_importance", "oar_weights", "read_rollouts"]
 
-ESTIMATORS = ("oar_g", "oar_p", *PRIVILEGED)
+ESTIMATORS = ("oar_g", "oar_p", *PRIVILEGED, "acpo", "codapo")
+"""every registered estimator; ``codapo`` only from a dump (``--dump``): it needs the whole group"""
+MAX_TOKENS = 8192
+"""tokens per OAR-P model call when neither the flag nor the run's config sets it (the run's 0 = verl's budget)"""
+TOOL_DEFAULTS = {"oar_p_mode": "exact", "oar_p_budget": 16, "oar_p_refine_top": 4, "oar_p_refine_unit": 4,
+                 "oar_p_max_tokens": MAX_TOKENS, "neutral": "pad", "seed": 0, "answer_locator": ""}
+"""the tool's defaults without --config (exact OAR-P: every token on its own, the paper's definition)"""
+FLAG_FIELDS = {"oar_p_mode": "perturb_mode", "oar_p_budget": "perturb_budget", "oar_p_refine_top": "perturb_refine_top",
+               "oar_p_refine_unit": "perturb_refine_unit", "oar_p_max_tokens": "perturb_max_tokens",
+               "neutral": "perturb_token_id", "seed": "seed", "answer_locator": "answer_locator"}
+"""flag (argparse dest) -> the ``algorithm.oar`` key it overrides"""
 PROMPT_KEYS = ("prompt", "input")
 """tried in order when --prompt-key is not given: a generic file, then verl's rollout dump"""
 RESPONSE_KEYS = ("response", "output")
@@ -81,6 +93,7 @@ GROUND_TRUTH_KEYS = ("ground_truth", "reward_model", "gts")
 DUMP_PROMPT_KEY = "input"
 """verl's rollout dump: the prompt already went through the chat template (departure 1)"""
 DEFAULT_ROWS = 8
+DEFAULT_ESTIMATORS = "oar_g,oar_p"
 """rows drawn from a rollouts file without --rows: the first ones"""
 
 Oracle = Callable[[list[int], Any], "dict[str, list[bool]] | None"]
@@ -346,8 +359,19 @@ def token_texts(response_ids: Sequence[int], tokenizer) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m verl_oar.tools.heatmap", description=__doc__.splitlines()[0])
     source = parser.add_argument_group("what to score")
-    source.add_argument("--model", required=True,
-                        help="Hugging Face causal LM directory (or hub id) with its tokenizer")
+    source.add_argument("--model",
+                        help="Hugging Face causal LM directory (or hub id) with its tokenizer; a verl checkpoint "
+                             "must be merged into one first (see the end of --help)")
+    source.add_argument("--dump", metavar="STEP_PT",
+                        help="draw the credit a run applied from its dump ({dump_dir}/step_N.pt of "
+                             "+algorithm.oar.dump_dir): no model forward; needs --tokenizer (or --model)")
+    source.add_argument("--tokenizer", metavar="PATH",
+                        help="--dump: the tokenizer to decode the dumped ids with (the run's model path); "
+                             "default: --model, else the --config's actor_rollout_ref.model.path")
+    source.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="the run's config (composed .hydra/config.yaml or logged config, a recipe yaml, or a "
+                             "file of Hydra overrides; repeat to layer them): the estimator settings, temperature "
+                             "and (--dump) estimator name are taken from it; explicit flags still win")
     source.add_argument("--prompt", help="prompt text (chat template applied unless --no-chat-template)")
     source.add_argument("--response", help="response text as generated")
     source.add_argument("--rollouts", help="a .parquet or .jsonl file of rollouts")
@@ -358,15 +382,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="apply the tokenizer's chat template to a text prompt (default: yes, except for "
                              "verl's rollout dump key 'input', already templated); message lists always are")
     method = parser.add_argument_group("estimators")
-    method.add_argument("--estimators", default="oar_g,oar_p", help=f"comma-separated: {', '.join(ESTIMATORS)}")
-    method.add_argument("--oar-p-mode", choices=("exact", "chunk", "line", "hierarchical"), default="exact")
-    method.add_argument("--oar-p-budget", type=int, default=16, help="K spans in chunk / line / hierarchical mode")
-    method.add_argument("--oar-p-refine-top", type=int, default=4, help="hierarchical mode: chunks refined (m)")
-    method.add_argument("--oar-p-refine-unit", type=int, default=4, help="hierarchical mode: tokens per refined unit")
-    method.add_argument("--oar-p-max-tokens", type=int, default=8192, help="tokens per OAR-P model call")
-    method.add_argument("--neutral", default="pad", help="OAR-P occlusion token: pad, space or a token id")
-    method.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (logits are divided by it)")
-    method.add_argument("--seed", type=int, default=0, help="seed of OAR-G's embedding noise")
+    method.add_argument("--estimators", default=DEFAULT_ESTIMATORS,
+                        help=f"comma-separated: {', '.join(ESTIMATORS)} (codapo: only from --dump, it needs the group)")
+    method.add_argument("--oar-p-mode", choices=("exact", "chunk", "line", "hierarchical"), default=None,
+                        help="default: the --config's algorithm.oar.perturb_mode, else exact")
+    method.add_argument("--oar-p-budget", type=int, default=None,
+                        help="K spans in chunk / line / hierarchical mode (default: --config's, else 16)")
+    method.add_argument("--oar-p-refine-top", type=int, default=None,
+                        help="hierarchical mode: chunks refined (m) (default: --config's, else 4)")
+    method.add_argument("--oar-p-refine-unit", type=int, default=None,
+                        help="hierarchical mode: tokens per refined unit (default: --config's, else 4)")
+    method.add_argument("--oar-p-max-tokens", type=int, default=None,
+                        help=f"tokens per OAR-P model call (default: --config's perturb_max_tokens, else {MAX_TOKENS})")
+    method.add_argument("--neutral", default=None,
+                        help="OAR-P occlusion token: pad, space or a token id (default: --config's "
+                             "perturb_token_id, else pad)")
+    method.add_argument("--temperature", type=float, default=None,
+                        help="rollout temperature, logits are divided by it (default: --config's "
+                             "actor_rollout_ref.rollout.temperature, else 1.0)")
+    method.add_argument("--seed", type=int, default=None,
+                        help="seed of OAR-G's embedding noise (default: --config's algorithm.oar.seed, else 0)")
+    method.add_argument("--advantage", type=float, default=1.0,
+                        help="ACPO: the response's GRPO advantage; its sign picks the success (> 0) or failure (< 0) "
+                             "weighting")
     method.add_argument("--ground-truth", help="OPPO: the reference answer of --prompt")
     method.add_argument("--ground-truth-key",
                         help=f"OPPO: the rollouts' reference-answer column (default: {' then '.join(GROUND_TRUTH_KEYS)})")
@@ -374,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     method.add_argument("--oracle", metavar="MODULE:FUNCTION",
                         help="also draw an oracle's masks of known causal tokens, oracle(response_ids, tokenizer) -> "
                              "{name: [bool]*T} or None; e.g. verl_oar.testbed.pick_max:heatmap_oracle")
-    method.add_argument("--answer-locator", default="", metavar="SPEC",
+    method.add_argument("--answer-locator", default=None, metavar="SPEC",
                         help="the run's algorithm.oar.answer_locator (pkg://module.function or file.py:function); "
                              "default: the built-in")
     run = parser.add_argument_group("output and hardware")
@@ -449,11 +487,92 @@ def _load_tokenizer(path: str):
                                 "that holds the tokenizer files") from None
 
 
-def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], neutral: int,
-                 oracle: Oracle | None = None, answer: str | None = None) -> dict:
+@dataclass
+class Settings:
+    """The estimator settings a recompute uses, and where each came from."""
+
+    oar: OARConfig
+    cscr: Any
+    oppo: Any
+    acpo: Any
+    temperature: float
+    neutral: str
+    """pad, space or a token id (OAR-P's occlusion token)"""
+    max_tokens: int
+    seed: int
+    answer_locator: str
+    sources: dict[str, dict] = field(default_factory=dict)
+    """setting -> {"value", "source"}: the flag, the --config file, or the default (tool's or training's)"""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resolve_settings(args, run: RunConfig | None, estimators: Sequence[str]) -> Settings:
+    """Explicit flags win; then the run's config (keys it does not set: training's defaults, as the run had
+    them); without --config the tool's defaults (:data:`TOOL_DEFAULTS`)."""
+    oar_sources = setting_sources(run, "oar")
+    chosen, sources = {}, {}
+    for dest, key in FLAG_FIELDS.items():
+        given = getattr(args, dest)
+        if given is not None:
+            value, source = given, _flag(dest)
+        elif run is not None:
+            value, source = oar_sources[key]
+            source = source if not source.startswith("default") else f"training {source}"
+            if dest == "neutral":
+                value = "pad" if value == -1 else str(value)
+            elif dest == "oar_p_max_tokens" and value == 0:
+                value, source = MAX_TOKENS, f"{source}: 0 = verl's log-prob budget, unknown here; the tool's {MAX_TOKENS}"
+        else:
+            value, source = TOOL_DEFAULTS[dest], "tool default"
+        chosen[dest] = value
+        sources[f"algorithm.oar.{key}" if dest != "neutral" else "neutral (algorithm.oar.perturb_token_id)"] = \
+            {"value": value, "source": source}
+    neutral = str(chosen.pop("neutral"))
+    replaced = {FLAG_FIELDS[d]: v for d, v in chosen.items()}
+    if neutral.isdigit():
+        replaced["perturb_token_id"] = int(neutral)
+    try:
+        oar = replace(section_config(run, "oar"), **replaced)
+    except ValueError as err:
+        raise HeatmapInputError(str(err)) from None
+    if set(estimators) & {"oar_g", "oar_p"}:
+        for key, (value, source) in oar_sources.items():
+            name = f"algorithm.oar.{key}"
+            if name not in sources and key in OAR_SCORING_KEYS:
+                sources[name] = {"value": value, "source": source if run is not None or not source.startswith("default")
+                                 else f"tool default ({type(oar).__name__})"}
+    for section in ("cscr", "oppo", "acpo"):
+        if section in estimators:
+            for key, (value, source) in setting_sources(run, section).items():
+                if key not in ("teacher", "overflow"):
+                    sources[f"algorithm.{section}.{key}"] = {"value": value, "source": source}
+    if args.temperature is not None:
+        temperature, source = args.temperature, "--temperature"
+    elif run is not None and run.temperature is not None:
+        temperature, source = run.temperature, run.origin.get("actor_rollout_ref.rollout.temperature", "--config")
+    else:
+        temperature, source = 1.0, "tool default (verl's rollout default)"
+    sources["actor_rollout_ref.rollout.temperature"] = {"value": temperature, "source": source}
+    return Settings(oar=oar, cscr=section_config(run, "cscr"), oppo=section_config(run, "oppo"),
+                    acpo=section_config(run, "acpo"), temperature=temperature, neutral=neutral,
+                    max_tokens=int(oar.perturb_max_tokens) or MAX_TOKENS, seed=int(oar.seed),
+                    answer_locator=oar.answer_locator, sources=sources)
+
+
+OAR_SCORING_KEYS = ("tau", "beta", "floor", "amplify", "suppress", "preserve_mass", "outcome", "objective", "saliency",
+                    "noise_std", "noise_relative")
+"""``algorithm.oar`` keys the recompute reads besides the flags' (reshaping, OAR-G's objective)"""
+
+
+def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], neutral: int | None,
+                 oracle: Oracle | None = None, answer: str | None = None, settings: Settings | None = None) -> dict:
     """Everything the JSON holds about one sample (``record["oracle"]``: ``oracle``'s masks, if given;
-    ``answer``: OPPO's reference answer)."""
-    oar = OARConfig()
+    ``answer``: OPPO's reference answer; ``settings``: :func:`resolve_settings`, default the tool's)."""
+    settings = settings or resolve_settings(args, None, estimators)
+    oar = settings.oar
     record: dict[str, Any] = {
         "row": sample.row, "prompt": sample.prompt_text, "response": sample.response_text,
         "chat_template": sample.chat_template, "prompt_ids": sample.prompt_ids, "response_ids": sample.response_ids,
@@ -465,22 +584,26 @@ def score_sample(model, tokenizer, sample: Sample, args, estimators: list[str], 
     for name in estimators:
         if name in PRIVILEGED:
             if name == "cscr":
-                signal, weights = cscr_signal(model, tokenizer, sample, args.temperature)
+                signal, weights = cscr_signal(model, tokenizer, sample, settings.temperature, settings.cscr)
             else:
-                signal, weights = oppo_signal(model, tokenizer, sample, answer, args.reward, args.temperature)
+                signal, weights = oppo_signal(model, tokenizer, sample, answer, args.reward, settings.temperature,
+                                              settings.oppo)
             # the heat row shows positive values: OPPO's evidence by magnitude (its sign is the w~ row's colour)
             record["scores"][name] = signal.abs().tolist()
             record["signed_scores"] = {**record.get("signed_scores", {}), name: signal.tolist()}
             record["weights"][name], record["fallback"][name] = weights.tolist(), "NONE"
             continue
+        if name == "acpo":
+            surrogate, weights = acpo_signal(model, sample, settings.temperature, args.advantage, settings.acpo)
+            record["scores"][name], record["weights"][name] = surrogate.tolist(), weights.tolist()
+            record["fallback"][name] = "NONE"
+            continue
         if name == "oar_g":
-            importance = oar_g_importance(model, sample, GradientConfig(), args.seed, args.temperature)
+            importance = oar_g_importance(model, sample, oar.gradient_config(), settings.seed, settings.temperature)
         else:
-            pcfg = PerturbationConfig(outcome="mean", mode=args.oar_p_mode, budget=args.oar_p_budget,
-                                      share_prefix=can_share_prefix(model), refine_top=args.oar_p_refine_top,
-                                      refine_unit=args.oar_p_refine_unit)
-            importance = oar_p_importance(model, sample, pcfg, neutral, args.oar_p_max_tokens, tokenizer,
-                                          args.temperature)
+            pcfg = oar.perturbation_config(share_prefix=can_share_prefix(model))
+            importance = oar_p_importance(model, sample, pcfg, neutral, settings.max_tokens, tokenizer,
+                                          settings.temperature)
         record["scores"][name] = importance.tolist()
         record["weights"][name], record["fallback"][name] = oar_weights(importance, sample.reasoning, oar)
     if oracle is not None:
@@ -535,19 +658,37 @@ def write_outputs(report: dict, out: Path, wrap: int) -> None:
 def run(args, oracle: Oracle | None = None) -> dict:
     """Score, draw and write; returns the JSON content. ``oracle``: see :data:`Oracle` (default: the
     one ``--oracle`` names, if any). Raises :class:`HeatmapInputError` on bad input."""
+    try:
+        run_config = read_run_config(args.config) if args.config else None
+    except RunConfigError as err:
+        raise HeatmapInputError(str(err)) from None
+    if args.dump is not None:
+        return run_dump(args, run_config)
+    if args.model is None:
+        raise HeatmapInputError("give --model PATH (a Hugging Face model directory; a verl checkpoint must be merged "
+                                "first, see --help) to recompute credit, or --dump STEP_PT to draw what a run applied")
+    if args.tokenizer is not None:
+        raise HeatmapInputError("--tokenizer only applies to --dump; the recompute mode uses --model's tokenizer")
     estimators = _parse_estimators(args.estimators)
-    if args.oar_p_budget < 1 or args.oar_p_max_tokens < 1 or not args.temperature > 0:
-        raise HeatmapInputError("--oar-p-budget and --oar-p-max-tokens must be >= 1 and --temperature > 0")
+    if "codapo" in estimators:
+        raise HeatmapInputError(CODAPO_NEEDS_GROUP)
+    for flag in ("oar_p_budget", "oar_p_max_tokens", "oar_p_refine_top", "oar_p_refine_unit"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise HeatmapInputError(f"{_flag(flag)} {getattr(args, flag)}: must be >= 1")
+    if args.temperature is not None and not args.temperature > 0:
+        raise HeatmapInputError(f"--temperature {args.temperature}: must be > 0")
     if not 0.0 <= args.reward <= 1.0:
         raise HeatmapInputError(f"--reward {args.reward}: OPPO reads it as the response's success probability, in [0, 1]")
+    settings = resolve_settings(args, run_config, estimators)
+    print_settings(settings.sources)
     items, chat_template = _inputs(args, estimators)  # file, keys and rows are checked before any model is loaded
     answers = _ground_truths(args, [row for row, _, _ in items]) if "oppo" in estimators else {}
     tokenizer = _load_tokenizer(args.model)
-    neutral = neutral_id(tokenizer, args.neutral) if "oar_p" in estimators else None
+    neutral = neutral_id(tokenizer, settings.neutral) if "oar_p" in estimators else None
     if oracle is None and args.oracle:
         oracle = load_oracle(args.oracle)
     try:
-        locator = load_answer_locator(args.answer_locator)
+        locator = load_answer_locator(settings.answer_locator)
     except ValueError as err:
         raise HeatmapInputError(str(err)) from None
     samples, skipped = [], []
@@ -565,21 +706,61 @@ def run(args, oracle: Oracle | None = None) -> dict:
         )
     model = _load_model(args.model, args.dtype, args.device)
     with torch.no_grad():  # OAR-G re-enables grad for its own pass
-        records = [score_sample(model, tokenizer, s, args, estimators, neutral, oracle, answers.get(s.row))
+        records = [score_sample(model, tokenizer, s, args, estimators, neutral, oracle, answers.get(s.row), settings)
                    for s in samples]
     report = {
         "model": args.model,
         "config": {
-            "estimators": estimators, "oar_p_mode": args.oar_p_mode, "oar_p_budget": args.oar_p_budget,
-            "neutral": args.neutral, "neutral_id": neutral, "temperature": args.temperature, "seed": args.seed,
+            "estimators": estimators, "oar_p_mode": settings.oar.perturb_mode,
+            "oar_p_budget": settings.oar.perturb_budget, "neutral": settings.neutral, "neutral_id": neutral,
+            "temperature": settings.temperature, "seed": settings.seed,
             "reward": args.reward if "oppo" in estimators else None,
+            "advantage": args.advantage if "acpo" in estimators else None,
+            "run_config": args.config, "settings": settings.sources,
             "oracle": args.oracle or (oracle and getattr(oracle, "__qualname__", repr(oracle))), "dtype": args.dtype, "device": str(next(model.parameters()).device),
-            "gradient": asdict(GradientConfig()), "reshape": asdict(OARConfig().reshape_config()),
+            "gradient": asdict(settings.oar.gradient_config()), "reshape": asdict(settings.oar.reshape_config()),
         },
         "rows": records,
         "skipped": skipped,
     }
     write_outputs(report, Path(args.out), args.wrap)
+    return report
+
+
+def print_settings(sources: dict[str, dict]) -> None:
+    """Each setting used, its value and where it came from, on stderr (stdout lists the files written)."""
+    for name, entry in sources.items():
+        print(f"verl_oar.tools.heatmap: {name} = {entry['value']!r} ({entry['source']})", file=sys.stderr)
+
+
+def run_dump(args, run_config: RunConfig | None) -> dict:
+    """``--dump``: the credit the run applied, per row, from its step dump (``heatmap_dump``); no model."""
+    from verl_oar.tools.heatmap_dump import DumpError, dump_records, load_dump, write_dump_outputs
+
+    recompute_only = [_flag(d) for d in ("prompt", "response", "rollouts", "prompt_key", "response_key",
+                                         "ground_truth", "ground_truth_key", "oracle", "answer_locator",
+                                         *FLAG_FIELDS) if getattr(args, d, None) not in (None, "")]
+    if args.estimators != DEFAULT_ESTIMATORS:
+        recompute_only.append("--estimators")
+    if recompute_only:
+        raise HeatmapInputError(f"--dump draws what the run dumped; {', '.join(dict.fromkeys(recompute_only))} only "
+                                "apply when recomputing from --model: drop them, or drop --dump")
+    path = args.tokenizer or args.model or (run_config.model_path if run_config is not None else None)
+    if not path:
+        raise HeatmapInputError("--dump needs a tokenizer to decode the dumped token ids: give --tokenizer PATH "
+                                "(the run's actor_rollout_ref.model.path)")
+    try:
+        data = load_dump(args.dump)
+        tokenizer = _load_tokenizer(path)
+        records, summary = dump_records(data, tokenizer, _parse_rows(args.rows),
+                                        run_config.adv_estimator if run_config is not None else None)
+    except DumpError as err:
+        raise HeatmapInputError(str(err)) from None
+    if run_config is not None and summary["estimator"] == "oar" and run_config.adv_estimator in ("oar_g", "oar_p"):
+        summary["estimator"] = run_config.adv_estimator
+    report = {"dump": str(args.dump), "tokenizer": path, "config": {**summary, "run_config": args.config},
+              "rows": records}
+    write_dump_outputs(report, Path(args.out), args.wrap)
     return report
 
 

@@ -1,0 +1,229 @@
+"""The credit a run actually applied, read from one of its per-step dumps (``+algorithm.oar.dump_dir``), drawn
+per response without any model forward.
+
+A dump ``{dump_dir}/step_N.pt`` (``integration.dump.dump_step``) holds, every per-token tensor (bs, R) padded
+to the batch's response length, on CPU:
+
+* always: ``step``, ``keys``, ``prompts`` (a list of id lists, unpadded), ``responses`` (bs, R) ids,
+  ``response_mask`` (bs, R), ``advantages`` (the advantages the policy loss received, after any composer),
+  ``weights`` (the estimator's token weights w~), ``real_rows`` (bs,) bool when verl padded the batch;
+  ``grpo_advantages`` when the estimator read GRPO's advantage (all but OPPO-free paths do);
+* ``oar_g`` / ``oar_p``: ``oar_importance``, ``oar_reasoning_mask``, ``oar_answer_mask``, ``fallback``
+  (``core.reshape.Fallback`` per row); the two are not told apart by their dumps (``--config`` names the
+  run's ``algorithm.adv_estimator``);
+* ``cscr``: ``cscr_pos_shift``, ``cscr_neg_shift``, ``cscr_scored``, ``sensitivity``;
+* ``oppo``: ``oppo_evidence`` (nats, signed), ``oppo_scored``, ``rewards``, ``groups``, ``values`` (V_t);
+  ``weights`` = A_t * T / (R - V_0) (1 = GRPO's even credit, 0 on rows with R = V_0);
+* ``acpo``: ``acpo_surrogate`` (H~, nats), ``acpo_entropy`` (verl's entropy; all 0 in bypass mode);
+* ``codapo``: ``old_log_probs``, ``rm_scores``, ``codapo_value`` (bs,) v_q, ``rewards`` (verifier), ``weights``
+  = v_q flat over the response;
+* ``+algorithm.codapo.compose=true`` over any of the above: the inner estimator's keys plus CoDaPO's,
+  ``inner_advantages`` (before the value) and ``advantages`` = v_q * inner. Under compose with OPPO, ``rewards``
+  is CoDaPO's verifier reward (written last), not OPPO's ``token_level_rewards`` sum.
+
+What one response's view shows (rows over its valid response tokens):
+
+* score rows (each divided by its own max; negative values show as 0, the JSON keeps the signed values): the
+  estimator's token signal: ``oar_importance``; ``sensitivity`` with ``|cscr_pos_shift|`` and
+  ``|cscr_neg_shift|``; ``|oppo_evidence|`` and ``values``; ``acpo_surrogate``; CoDaPO's ``-old_log_probs``
+  (the surprisal its confidence averages);
+* w~ rows (centred at 1 = GRPO's even credit): the dumped ``weights`` of the estimator, and ``A / A_grpo``:
+  the advantage applied divided by GRPO's (where GRPO's is not 0), i.e. the credit relative to GRPO that the
+  policy loss actually received (with compose: the value times the inner weights);
+* masks: OAR's reasoning and answer tokens (OAR dumps only);
+* the title: the row's GRPO advantage, reward, CoDaPO value, OAR fallback and OPPO/CSCR scored flags.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DUMP_VIEWS", "DumpError", "dump_estimator", "dump_records", "load_dump", "write_dump_outputs"]
+
+DUMP_VIEWS = ("oar", "cscr", "oppo", "acpo", "codapo")
+"""what a dump can show: OAR (``oar_g`` and ``oar_p`` dump the same keys), CSCR, OPPO, ACPO, CoDaPO"""
+_SIGNATURE = (("oar", "oar_importance"), ("cscr", "cscr_pos_shift"), ("oppo", "oppo_evidence"),
+              ("acpo", "acpo_surrogate"))
+"""the key that marks each token estimator's dump, checked in this order"""
+REQUIRED = ("responses", "response_mask", "prompts")
+DEFAULT_ROWS = 8
+
+
+class DumpError(ValueError):
+    """A dump that cannot be drawn; the message names the problem and the fix."""
+
+
+def load_dump(path: str | Path) -> dict[str, Any]:
+    """The dict ``dump_step`` saved; :class:`DumpError` if it is missing, unreadable or not a step dump."""
+    path = Path(path)
+    if not path.is_file():
+        raise DumpError(f"--dump {path}: no such file. Give a step_N.pt written by the run's +algorithm.oar.dump_dir.")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated or foreign file: torch raises several kinds
+        raise DumpError(f"--dump {path}: cannot be read by torch.load ({type(err).__name__}: {err}); give a step_N.pt "
+                        "written by +algorithm.oar.dump_dir") from None
+    missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise DumpError(f"--dump {path}: not a verl-oar step dump (no {', '.join(missing)}); give a step_N.pt written "
+                        "by +algorithm.oar.dump_dir (verl_oar.integration.dump)")
+    return data
+
+
+def dump_estimator(data: dict[str, Any], adv_estimator: str | None = None) -> tuple[str, bool]:
+    """(view, composed): which estimator wrote ``data`` (one of :data:`DUMP_VIEWS`) and whether CoDaPO's value
+    was composed over it. ``adv_estimator`` (the run's ``algorithm.adv_estimator``, from ``--config``) must agree."""
+    composed = "inner_advantages" in data
+    view = next((name for name, key in _SIGNATURE if key in data), "codapo" if "codapo_value" in data else None)
+    if view is None:
+        raise DumpError("the dump holds no estimator's token signal (oar_importance, cscr_pos_shift, oppo_evidence, "
+                        "acpo_surrogate or codapo_value): it was not written by a verl-oar estimator step")
+    if adv_estimator:
+        expected = "oar" if adv_estimator in ("oar_g", "oar_p") else adv_estimator
+        if expected != view:
+            raise DumpError(f"--config says algorithm.adv_estimator={adv_estimator}, but the dump holds {view}'s "
+                            "signals: give the config of the run that wrote this dump")
+    return view, composed
+
+
+def _per_row(data: dict, key: str, row: int, mask: torch.Tensor) -> list[float] | None:
+    value = data.get(key)
+    if not torch.is_tensor(value) or value.dim() != 2:
+        return None
+    return value[row][mask].double().tolist()
+
+
+def _scalar(data: dict, key: str, row: int) -> float | None:
+    value = data.get(key)
+    if torch.is_tensor(value) and value.dim() == 1 and len(value) > row:
+        return float(value[row])
+    return None
+
+
+def _relative(applied: list[float], grpo: list[float]) -> list[float]:
+    """applied / grpo per token; 1.0 where GRPO's advantage is 0 (both give no credit)."""
+    return [a / g if g != 0 else 1.0 for a, g in zip(applied, grpo)]
+
+
+def _scores(data: dict, view: str, row: int, mask: torch.Tensor) -> tuple[dict, dict]:
+    """(heat rows shown by magnitude, their signed values) of one row's token signal."""
+    names = {"oar": [("oar_importance", "oar_importance")],
+             "cscr": [("sensitivity", "sensitivity"), ("|cscr_pos_shift|", "cscr_pos_shift"),
+                      ("|cscr_neg_shift|", "cscr_neg_shift")],
+             "oppo": [("|oppo_evidence|", "oppo_evidence"), ("values V_t", "values")],
+             "acpo": [("acpo_surrogate", "acpo_surrogate")],
+             "codapo": [("-old_log_probs", "old_log_probs")]}[view]
+    shown, signed = {}, {}
+    for label, key in names:
+        values = _per_row(data, key, row, mask)
+        if values is None:
+            continue
+        if key == "old_log_probs":
+            values = [-v for v in values]
+        signed[label] = values
+        shown[label] = [abs(v) for v in values] if label.startswith("|") else values
+    return shown, signed
+
+
+def dump_records(data: dict[str, Any], tokenizer, rows: Sequence[int] | None = None,
+                 adv_estimator: str | None = None) -> tuple[list[dict], dict]:
+    """One record per selected row (``rows``: dump row numbers; None: the first :data:`DEFAULT_ROWS` real rows)
+    and a summary {estimator, composed, step, rows}. Each record holds ``tokens`` (T texts of the valid response
+    tokens), ``scores`` / ``signed_scores`` / ``weights`` ({label: T floats}), ``masks`` ({label: T bools}),
+    ``values`` (per-row numbers) and ``notes``."""
+    view, composed = dump_estimator(data, adv_estimator)
+    responses, response_mask = data["responses"], data["response_mask"].bool()
+    bs = responses.shape[0]
+    real = data.get("real_rows")
+    real = torch.ones(bs, dtype=torch.bool) if real is None else torch.as_tensor(real).bool()
+    if rows is None:
+        rows = [r for r in range(bs) if real[r]][:DEFAULT_ROWS]
+    bad = [r for r in rows if not 0 <= r < bs]
+    if bad:
+        raise DumpError(f"--rows {','.join(map(str, bad))}: out of range, the dump has {bs} rows (0..{bs - 1})")
+    from verl_oar.tools.heatmap import token_texts
+
+    records = []
+    for row in rows:
+        mask = response_mask[row]
+        ids = responses[row][mask].tolist()
+        notes = [] if real[row] else ["a synthetic padding row verl appended (is_padding): not trained on"]
+        grpo = _per_row(data, "grpo_advantages", row, mask)
+        applied = _per_row(data, "advantages", row, mask)
+        scores, signed = _scores(data, view, row, mask)
+        weights = {}
+        dumped = _per_row(data, "weights", row, mask)
+        if dumped is not None:
+            weights[f"w~ {view}"] = dumped
+        if applied is not None and grpo is not None:
+            weights["A / A_grpo (applied)"] = _relative(applied, grpo)
+        masks = {}
+        if view == "oar":
+            for label, key in (("reasoning", "oar_reasoning_mask"), ("answer", "oar_answer_mask")):
+                values = _per_row(data, key, row, mask)
+                if values is not None:
+                    masks[label] = [bool(v) for v in values]
+        values = {
+            "grpo_advantage": next((g for g in grpo or [] if g != 0), 0.0) if grpo is not None else None,
+            "reward": _scalar(data, "rewards", row),
+            "codapo_value": _scalar(data, "codapo_value", row),
+        }
+        if view == "oar" and _scalar(data, "fallback", row) is not None:
+            from verl_oar.core.reshape import Fallback
+
+            values["fallback"] = Fallback(int(_scalar(data, "fallback", row))).name
+        for flag in ("cscr_scored", "oppo_scored"):
+            if flag in data:
+                values[flag.split("_")[0] + "_scored"] = bool(data[flag][row].bool().any())
+        if view == "codapo" or composed:
+            notes.append("CoDaPO's value v_q is one number per question (group): it scales every token alike")
+        prompt_ids = data["prompts"][row]
+        prompt_ids = prompt_ids.tolist() if torch.is_tensor(prompt_ids) else list(prompt_ids)
+        records.append({
+            "row": row, "real": bool(real[row]), "prompt_ids": prompt_ids, "response_ids": ids,
+            "prompt": tokenizer.decode(prompt_ids, skip_special_tokens=False),
+            "response": tokenizer.decode(ids, skip_special_tokens=False),
+            "tokens": token_texts(ids, tokenizer), "scores": scores, "signed_scores": signed, "weights": weights,
+            "advantages": applied, "grpo_advantages": grpo,
+            "inner_advantages": _per_row(data, "inner_advantages", row, mask), "masks": masks,
+            "values": {k: v for k, v in values.items() if v is not None}, "notes": notes,
+        })
+    step = data.get("step")
+    summary = {"estimator": view, "composed": composed, "step": None if step is None else int(step),
+               "batch_rows": bs, "rows": list(rows)}
+    return records, summary
+
+
+def _title(record: dict, summary: dict, source: str) -> str:
+    name = summary["estimator"] + (" + codapo.compose" if summary["composed"] else "")
+    values = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record["values"].items())
+    prompt = " ".join(record["prompt"].split())
+    lines = [f"step {summary['step']} row {record['row']} | {name} | {source}" + (f" | {values}" if values else ""),
+             f"prompt: {prompt if len(prompt) <= 120 else '…' + prompt[-119:]}"]
+    return "\n".join(lines + [f"note: {n}" for n in record["notes"]])
+
+
+def write_dump_outputs(report: dict, out: Path, wrap: int) -> None:
+    """heatmap_<row>.png, heatmap.html and heatmap.json in ``out``; their paths go into ``report["files"]``."""
+    from verl_oar.tools.heatmap_render import html_block, html_page, render_png
+
+    out.mkdir(parents=True, exist_ok=True)
+    source = report["dump"] if len(report["dump"]) <= 60 else "…" + report["dump"][-59:]
+    pngs, blocks = [], []
+    for record in report["rows"]:
+        rows = list(record["scores"].items())
+        weights = list(record["weights"].items())
+        masks = list(record["masks"].items())
+        title = _title(record, report["config"], source)
+        png = out / f"heatmap_{record['row']}.png"
+        render_png(png, record["tokens"], rows, masks, title=title, wrap=wrap, weights=weights)
+        blocks.append(html_block(record["tokens"], rows, masks, title, weights=weights, wrap=wrap))
+        pngs.append(str(png))
+    report["files"] = {"png": pngs, "html": str(out / "heatmap.html"), "json": str(out / "heatmap.json")}
+    Path(report["files"]["html"]).write_text(html_page(blocks, f"Credit applied: {report['dump']}"), encoding="utf-8")
+    Path(report["files"]["json"]).write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
