@@ -452,6 +452,9 @@ if __name__ == "__main__":
     if args[:1] == ["--readme"]:
         print(readme_section(json.loads(Path(args[1]).read_text())))
         raise SystemExit(0)
+    if args[:1] == ["--reward-figure"]:  # README's figure: --reward-figure SUMMARY.json OUT.png
+        plot_reward(json.loads(Path(args[1]).read_text()), Path(args[2]))
+        raise SystemExit(0)
     from verl_oar.tools.heatmap_render import MissingMatplotlib, require_matplotlib
 
     try:
