@@ -1,0 +1,303 @@
+"""``verl-oar check``: will this verl run start? A preflight for a login node (no GPU, no Ray).
+
+    verl-oar check [--config-path DIR --config-name NAME] [--sample 64] [--responses FILE] [--json] OVERRIDES...
+
+Takes the Hydra overrides of ``python -m verl.trainer.main_ppo`` (and a recipe's ``--config-path`` /
+``--config-name``), composes the config as main_ppo does (verl's ``trainer/config/ppo_trainer.yaml`` unless a
+config is named) and runs, in order, what the run's start-up runs before any GPU is used:
+
+1. verl's own ``validate_config`` and the typed actor / rollout configs its workers build;
+2. the plugin's load and every start-up refusal of the estimator
+   (``integration.validate.check_token_signals_supported``: trainer mode, ``algorithm.<method>.*`` keys,
+   engine settings, each signal's checks), ``VERL_OAR_MEMORY_CHECK``, the no-answer guard's settings;
+3. the block the driver logs at start-up (``integration.memory_check.startup_block``: the estimator's mode,
+   its extra cost, memory per GPU), with the model's shape read from ``config.json`` on this machine only:
+   a hub id that is not in the local cache is reported and its memory lines skipped (nothing is downloaded);
+4. a sample of ``data.train_files`` and optional responses (``tools.check_data``).
+
+Exit status: 0 the run would start; 1 it would not (the refusal's message: cause and fix); 2 bad flags.
+What only the GPUs check (the workers' memory comparison with their device, the worker classes verl picks,
+vLLM, NCCL) is listed in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from verl_oar.tools.check_data import locate_answers, read_responses, sample_train_file
+
+GPU_ONLY = (
+    "the workers' memory check against their GPU (after verl builds the models; VERL_OAR_MEMORY_CHECK)",
+    "the worker class verl picks for the actor (a custom worker needs verl-oar's OARWorkerMixin)",
+    "vLLM / SGLang start-up, NCCL, Ray placement over nodes",
+)
+TOKEN_CONFIGS = {"oar_g": "oar", "oar_p": "oar", "cscr": "cscr", "oppo": "oppo", "acpo": "acpo", "codapo": "codapo"}
+"""estimator -> its ``algorithm.<node>``"""
+
+
+class Refusal(Exception):
+    """The run would not start: ``stage`` (what refused) and the message (cause and fix)."""
+
+    def __init__(self, stage: str, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(this command's flags, the Hydra overrides in their order). ``--config-path X``, ``--config-path=X``,
+    ``-cp X`` (and ``--config-name`` / ``-cn``) are taken as Hydra's."""
+    p = argparse.ArgumentParser(prog="verl-oar check", description=__doc__.split("\n\n")[0],
+                                epilog="Everything else is a Hydra override, as for python -m verl.trainer.main_ppo.")
+    p.add_argument("--config-path", "-cp", default=None, help="a folder of Hydra configs (a recipe's recipes/config)")
+    p.add_argument("--config-name", "-cn", default=None, help="the config in it (default: verl's ppo_trainer)")
+    p.add_argument("--sample", type=int, default=64, help="rows of the first data.train_files file to read")
+    p.add_argument("--responses", default=None,
+                   help="a .jsonl or .parquet of sample responses: count the answers the answer locator finds")
+    p.add_argument("--response-key", default="response", help="the responses' text field / column")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--online", action="store_true",
+                   help="let transformers reach the hub (default: offline, HF_HUB_OFFLINE=1: local files and cache only)")
+    p.add_argument("--traceback", action="store_true", help="on an unexpected error, print its stack trace")
+    args, rest = p.parse_known_args(list(argv))
+    flags = [a for a in rest if a.startswith("-")]
+    if flags:
+        p.error(f"unknown flag(s) {flags}; Hydra overrides look like key=value, +key=value or ~key")
+    if args.sample < 1:
+        p.error("--sample must be at least 1")
+    return args, rest
+
+
+def compose(config_path: str | None, config_name: str | None, overrides: list[str]):
+    """The config ``python -m verl.trainer.main_ppo [--config-path P --config-name N] overrides`` composes."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if config_path is None:
+        import verl
+
+        config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    else:
+        config_dir = Path(config_path).expanduser().resolve()
+        if not config_dir.is_dir():
+            raise Refusal("hydra", f"--config-path {config_path}: no such folder. Give the folder that holds "
+                                   f"{config_name or 'the config'}.yaml (a recipe's: recipes/config).")
+    name = config_name or "ppo_trainer"
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            return hydra_compose(config_name=name, overrides=overrides)
+    except Exception as err:  # noqa: BLE001 - Hydra's and OmegaConf's errors: the message is the refusal
+        raise Refusal("hydra", f"the config does not compose ({config_dir}/{name}.yaml with {len(overrides)} "
+                               f"override(s)): {_first_lines(err)}. Fix the override it names (+key=value adds a key "
+                               "verl's config does not have; key=value sets one it has).") from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _first_lines(err: BaseException, lines: int = 3) -> str:
+    text = str(err).strip() or type(err).__name__
+    return " ".join(text.splitlines()[:lines])
+
+
+def estimator_name(config) -> str:
+    est = config.algorithm.adv_estimator
+    return str(getattr(est, "value", est))
+
+
+def resolved_settings(config) -> dict:
+    """{"algorithm.<node>": the typed config's values} of the estimator (and of CoDaPO when composed)."""
+    from verl_oar.core.acpo import ACPOConfig
+    from verl_oar.core.codapo import CoDaPOConfig
+    from verl_oar.core.config import OARConfig
+    from verl_oar.core.cscr import CSCRConfig
+    from verl_oar.core.oppo import OPPOConfig
+
+    classes = {"oar": OARConfig, "cscr": CSCRConfig, "oppo": OPPOConfig, "acpo": ACPOConfig, "codapo": CoDaPOConfig}
+    name = estimator_name(config)
+    nodes = [TOKEN_CONFIGS[name]] if name in TOKEN_CONFIGS else []
+    if name != "codapo" and config.algorithm.get("codapo", None):
+        nodes.append("codapo")
+    return {f"algorithm.{n}": classes[n].from_algorithm(config.algorithm).to_dict() for n in nodes}
+
+
+def run_refusals(config) -> list[str]:
+    """Every start-up check the run makes before its GPUs are used; returns what passed, raises Refusal."""
+    passed = []
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    try:
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+        omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    except Exception as err:  # noqa: BLE001 - verl's checks raise assorted types; each is a refusal
+        raise Refusal("verl", f"verl's own config check refused it: {type(err).__name__}: {_first_lines(err, 6)}") from None
+    passed.append("verl's validate_config and the actor / rollout configs")
+
+    import verl.trainer.ppo.core_algos  # noqa: F401  (the plugin registers its estimators on this import)
+
+    from verl_oar.integration import plugin
+
+    if plugin.LOAD_ERROR:
+        raise Refusal("plugin", "the verl-oar plugin failed to load, so its estimators refuse to run: "
+                                f"{plugin.LOAD_ERROR.strip().splitlines()[-1]}. Reinstall it (pip install -e .) in "
+                                "the environment verl runs in.")
+    from verl_oar.integration.validate import LEGACY, check_token_signals_supported
+
+    mode = str(config.trainer.v1.trainer_mode) if config.trainer.get("use_v1", True) else LEGACY
+    try:
+        providers = check_token_signals_supported(config, mode)
+        if providers:
+            from verl_oar.integration.codapo_sampling import sampling_config
+            from verl_oar.integration.memory_check import check_action
+
+            check_action()
+            sampling_config(config)
+            for provider in providers:
+                if provider.guard is not None:
+                    provider.guard(config)
+    except ValueError as err:
+        raise Refusal("verl-oar", str(err)) from None
+    if providers:
+        passed.append(f"verl-oar's start-up checks of {estimator_name(config)} "
+                      f"({', '.join(p.name for p in providers)}; trainer mode {mode})")
+    else:
+        passed.append(f"{estimator_name(config)} needs no token signal: verl's own trainer runs it")
+    return passed
+
+
+def local_model_config(path: str, trust_remote_code: bool):
+    """(transformers config, None) from local files or the hub cache only, or (None, why not)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True), None
+    except Exception as err:  # noqa: BLE001 - reported, the memory lines are skipped
+        where = "a local folder without a readable config.json" if Path(os.path.expanduser(path)).is_dir() else \
+            "not a local folder and not in the hub cache"
+        return None, (f"{path} is {where} ({type(err).__name__}); memory lines skipped, nothing downloaded. Get its "
+                      f"config.json (huggingface-cli download {path} config.json) or point the path at a local copy.")
+
+
+def memory_block(config) -> tuple[str, list[str]]:
+    """(the block the driver logs at start-up, notes). The model's shape comes from local files only; when they
+    are missing the block keeps its estimator and cost lines and the note says why the memory lines are not there."""
+    from verl_oar.integration.memory_check import run_plan, startup_block
+
+    plan = run_plan(config)
+    model, why = local_model_config(plan["model_path"], plan["trust_remote_code"])
+    teacher, teacher_why = (None, None)
+    if plan["teacher_path"]:
+        teacher, teacher_why = local_model_config(plan["teacher_path"], plan["trust_remote_code"])
+    notes = [n for n in (why, teacher_why) if n]
+    if not notes:
+        return startup_block(config, model_config=model, teacher_config=teacher), notes
+    # a config the block cannot use: it prints its estimator and cost lines and one 'unavailable' line (ours: the note)
+    lines = startup_block(config, model_config=_NO_MODEL, teacher_config=_NO_MODEL).splitlines()
+    return "\n".join(line for line in lines if not line.strip().startswith("estimate ")), notes
+
+
+_NO_MODEL = object()
+"""stands for a model config that is not on this machine (``startup_block`` reports it as unusable, never reads it)"""
+
+
+def check(argv: Sequence[str]) -> tuple[int, dict]:
+    """(exit status, report) of ``verl-oar check argv``; the report is printed by :func:`main`."""
+    args, overrides = split_argv(argv)
+    if not args.online:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    source = (f"{args.config_path}/{args.config_name}.yaml" if args.config_path else
+              f"verl's {args.config_name or 'ppo_trainer'}")
+    report: dict = {"ok": False, "config": source, "overrides": overrides, "estimator": None, "settings": {},
+                    "passed": [], "refusal": None, "startup_block": None, "notes": [], "data": None,
+                    "responses": None, "gpu_only": list(GPU_ONLY)}
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # verl's checks print; stdout is the report's (--json)
+            _check(args, overrides, report)
+    except Refusal as refusal:
+        report["refusal"] = {"stage": refusal.stage, "message": str(refusal)}
+        return 1, report
+    except Exception as err:  # noqa: BLE001 - never a bare stack trace: say what failed and how to see more
+        if args.traceback:
+            traceback.print_exc()
+        report["refusal"] = {"stage": "unexpected", "message": f"{type(err).__name__}: {_first_lines(err, 6)} "
+                                                               "(rerun with --traceback for the stack)"}
+        return 1, report
+    report["ok"] = True
+    return 0, report
+
+
+def _check(args: argparse.Namespace, overrides: list[str], report: dict) -> None:
+    """Fill ``report`` stage by stage; raise :class:`Refusal` at the first check that stops the run."""
+    config = compose(args.config_path, args.config_name, overrides)
+    report["estimator"] = estimator_name(config)
+    report["passed"] = run_refusals(config)
+    report["settings"] = resolved_settings(config)
+    from verl_oar.integration.signals import needed_signals
+
+    if needed_signals(config.algorithm.adv_estimator, config.algorithm):
+        report["startup_block"], report["notes"] = memory_block(config)
+    data = sample_train_file(config, args.sample)
+    report["data"] = data
+    if data["refusal"]:
+        raise Refusal("data", data["refusal"])
+    if args.responses:
+        try:
+            texts = read_responses(args.responses, args.response_key, args.sample)
+            spec = (config.algorithm.get("oar", None) or {}).get("answer_locator", None)
+            report["responses"] = {"file": args.responses, **locate_answers(texts, spec)}
+        except ValueError as err:
+            raise Refusal("responses", str(err)) from None
+
+
+def render(report: dict) -> str:
+    """The report as text."""
+    out = [f"verl-oar check: {report['config']}" + (f" + {len(report['overrides'])} override(s)"
+                                                    if report["overrides"] else "")]
+    if report["estimator"]:
+        out.append(f"  estimator    algorithm.adv_estimator={report['estimator']}")
+    for node, values in report["settings"].items():
+        out.append(f"  settings     {node}: " + ", ".join(f"{k}={v!r}" for k, v in values.items()))
+    out += [f"  passed       {p}" for p in report["passed"]]
+    if report["startup_block"]:
+        out += ["  " + line for line in report["startup_block"].splitlines()]
+    out += [f"  note         {n}" for n in report["notes"]]
+    data = report["data"]
+    if data:
+        if data["ground_truths"] is not None:
+            g = data["ground_truths"]
+            out.append(f"  data         {data['file']}: {data['rows']} rows read; ground truths: {g['math_verify']} "
+                       f"parsed by math-verify, {g['exact_only']} gradable by exact match only, {g['missing']} missing")
+        out += [f"  data         {n}" for n in data["notes"]]
+    r = report["responses"]
+    if r:
+        out.append(f"  responses    {r['file']}: the answer locator ({r['locator']}) found {r['found']} of "
+                   f"{r['responses']} answers")
+    if report["ok"]:
+        out.append("  GPU only     " + "; ".join(report["gpu_only"]))
+        out.append("OK: the run would start (exit 0)")
+    else:
+        ref = report["refusal"]
+        out.append(f"REFUSED ({ref['stage']}): {ref['message']}")
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the report (text or ``--json``); return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    status, report = check(argv)
+    print(json.dumps(report, indent=2, default=str) if "--json" in argv else render(report), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
