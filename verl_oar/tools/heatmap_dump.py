@@ -6,13 +6,14 @@ to the batch's response length, on CPU:
 
 * always: ``step``, ``keys``, ``prompts`` (a list of id lists, unpadded), ``responses`` (bs, R) ids,
   ``response_mask`` (bs, R), ``advantages`` (the advantages the policy loss received, after any composer),
-  ``weights`` (the estimator's token weights w~), ``real_rows`` (bs,) bool when verl padded the batch;
-  ``grpo_advantages`` when the estimator read GRPO's advantage (all but OPPO-free paths do);
+  ``weights`` (the estimator's token weights w~), ``grpo_advantages`` (every estimator of verl-oar reads or keeps
+  it), ``real_rows`` (bs,) bool when verl padded the batch;
 * ``oar_g`` / ``oar_p``: ``oar_importance``, ``oar_reasoning_mask``, ``oar_answer_mask``, ``fallback``
   (``core.reshape.Fallback`` per row); the two are not told apart by their dumps (``--config`` names the
   run's ``algorithm.adv_estimator``);
 * ``cscr``: ``cscr_pos_shift``, ``cscr_neg_shift``, ``cscr_scored``, ``sensitivity``;
-* ``oppo``: ``oppo_evidence`` (nats, signed), ``oppo_scored``, ``rewards``, ``groups``, ``values`` (V_t);
+* ``oppo``: ``oppo_evidence`` (nats, signed), ``oppo_scored``, ``rewards``, ``groups``, ``values`` (bs, R + 1): V_0
+  (the prior) then the value after each token;
   ``weights`` = A_t * T / (R - V_0) (1 = GRPO's even credit, 0 on rows with R = V_0);
 * ``acpo``: ``acpo_surrogate`` (H~, nats), ``acpo_entropy`` (verl's entropy; all 0 in bypass mode);
 * ``codapo``: ``old_log_probs``, ``rm_scores``, ``codapo_value`` (bs,) v_q, ``rewards`` (verifier), ``weights``
@@ -25,7 +26,7 @@ What one response's view shows (rows over its valid response tokens):
 
 * score rows (each divided by its own max; negative values show as 0, the JSON keeps the signed values): the
   estimator's token signal: ``oar_importance``; ``sensitivity`` with ``|cscr_pos_shift|`` and
-  ``|cscr_neg_shift|``; ``|oppo_evidence|`` and ``values``; ``acpo_surrogate``; CoDaPO's ``-old_log_probs``
+  ``|cscr_neg_shift|``; ``|oppo_evidence|`` and ``V_t after token``; ``acpo_surrogate``; CoDaPO's ``-old_log_probs``
   (the surprisal its confidence averages);
 * w~ rows (centred at 1 = GRPO's even credit): the dumped ``weights`` of the estimator, and ``A / A_grpo``:
   the advantage applied divided by GRPO's (where GRPO's is not 0), i.e. the credit relative to GRPO that the
@@ -92,9 +93,13 @@ def dump_estimator(data: dict[str, Any], adv_estimator: str | None = None) -> tu
 
 
 def _per_row(data: dict, key: str, row: int, mask: torch.Tensor) -> list[float] | None:
+    """``data[key]`` of one row at its valid response tokens (float64 list); OPPO's ``values`` (bs, R + 1) hold V_0
+    first: the value after each token is ``values[:, 1:]``."""
     value = data.get(key)
     if not torch.is_tensor(value) or value.dim() != 2:
         return None
+    if key == "values" and value.shape[1] == mask.shape[0] + 1:
+        value = value[:, 1:]
     return value[row][mask].double().tolist()
 
 
@@ -115,7 +120,7 @@ def _scores(data: dict, view: str, row: int, mask: torch.Tensor) -> tuple[dict, 
     names = {"oar": [("oar_importance", "oar_importance")],
              "cscr": [("sensitivity", "sensitivity"), ("|cscr_pos_shift|", "cscr_pos_shift"),
                       ("|cscr_neg_shift|", "cscr_neg_shift")],
-             "oppo": [("|oppo_evidence|", "oppo_evidence"), ("values V_t", "values")],
+             "oppo": [("|oppo_evidence|", "oppo_evidence"), ("V_t after token", "values")],
              "acpo": [("acpo_surrogate", "acpo_surrogate")],
              "codapo": [("-old_log_probs", "old_log_probs")]}[view]
     shown, signed = {}, {}
@@ -173,6 +178,8 @@ def dump_records(data: dict[str, Any], tokenizer, rows: Sequence[int] | None = N
             "reward": _scalar(data, "rewards", row),
             "codapo_value": _scalar(data, "codapo_value", row),
         }
+        if view == "oppo" and torch.is_tensor(data.get("values")):
+            values["V_0"] = float(data["values"][row, 0])
         if view == "oar" and _scalar(data, "fallback", row) is not None:
             from verl_oar.core.reshape import Fallback
 
