@@ -111,13 +111,30 @@ def test_no_answer_guard_stops_after_patience_consecutive_steps():
         guard.observe(6, {"fallback/frac_no_answer": 1.0})
 
 
+def test_no_answer_guard_ignores_the_warm_up_steps_a_base_model_needs():
+    """The default config's guard: a run whose first 10 steps mostly lack an answer (a base model learning
+    the format) is not stopped; the same fractions after the warm-up are."""
+    from _verl_config import compose_ppo_config
+
+    guard = NoAnswerGuard.from_config(compose_ppo_config(["algorithm.adv_estimator=oar_g"]))
+    assert (guard.warmup, guard.patience) == (10, 3)
+    for step in range(1, 11):
+        assert guard.observe(step, {"fallback/frac_no_answer": 0.95}) == {"oar/fallback/no_answer_streak": 0.0}
+    guard.observe(11, {"fallback/frac_no_answer": 0.95})
+    guard.observe(12, {"fallback/frac_no_answer": 0.95})
+    with pytest.raises(NoAnswerError, match=r"\(11-13\).*no_answer_warmup"):
+        guard.observe(13, {"fallback/frac_no_answer": 0.95})
+    with pytest.raises(ValueError, match="no_answer_warmup=-1 is invalid"):
+        NoAnswerGuard.from_config(compose_ppo_config(["algorithm.adv_estimator=oar_g", "+algorithm.oar.no_answer_warmup=-1"]))
+
+
 def test_no_answer_guard_warns_instead_when_asked(capsys):
     from _verl_config import compose_ppo_config
 
     config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "+algorithm.oar.no_answer_action=warn",
                                  "+algorithm.oar.no_answer_patience=1"])
     guard = NoAnswerGuard.from_config(config)
-    assert guard.observe(7, {"fallback/frac_no_answer": 0.75}) == {"oar/fallback/no_answer_streak": 1.0}
+    assert guard.observe(17, {"fallback/frac_no_answer": 0.75}) == {"oar/fallback/no_answer_streak": 1.0}  # after the warm-up
     assert "GRPO under another name" in capsys.readouterr().err
 
 

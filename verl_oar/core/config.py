@@ -105,6 +105,9 @@ class OARConfig:
     """consecutive such steps before the run stops (``no_answer_action=error``) or warns"""
     no_answer_action: str = "error"
     """error (stop the run naming the cause and the fix) or warn (print and log, keep training)"""
+    no_answer_warmup: int = 10
+    """the run's first training steps (global step <= this) never count towards the stop: a base model
+    can need a few updates before it answers in a format the locator reads; 0 counts from step 1"""
     dump_dir: str = ""
     """if set, every step's token-level tensors (importance, masks, weights, GRPO and OAR advantages)
     are saved to ``{dump_dir}/step_{N}.pt`` for inspection (heatmaps, debugging); off by default"""
@@ -136,6 +139,11 @@ class OARConfig:
                 or self.no_answer_patience < 1:
             raise ValueError(
                 f"algorithm.oar.no_answer_patience={self.no_answer_patience!r} is invalid: consecutive steps, an integer >= 1."
+            )
+        if isinstance(self.no_answer_warmup, bool) or not isinstance(self.no_answer_warmup, int) \
+                or self.no_answer_warmup < 0:
+            raise ValueError(
+                f"algorithm.oar.no_answer_warmup={self.no_answer_warmup!r} is invalid: training steps, an integer >= 0."
             )
         if self.no_answer_action not in ("error", "warn"):
             raise ValueError(
