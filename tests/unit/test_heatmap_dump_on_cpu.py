@@ -114,7 +114,7 @@ def test_every_estimators_dump_draws_what_the_run_applied(tmp_path, tokenizer_di
         assert record["weights"][f"w~ {view}"] == dump["weights"][r][mask].double().tolist()
         advantages, grpo = dump["advantages"][r][mask].double(), dump["grpo_advantages"][r][mask].double()
         expected = torch.where(grpo != 0, advantages / torch.where(grpo != 0, grpo, 1.0), 1.0)
-        torch.testing.assert_close(torch.tensor(record["weights"]["A / A_grpo (applied)"], dtype=torch.float64), expected, rtol=0, atol=0)
+        torch.testing.assert_close(torch.tensor(record["weights"]["w~ applied"], dtype=torch.float64), expected, rtol=0, atol=0)
         for label, key in SIGNAL_ROWS[view].items():
             tensor = dump[key][:, 1:] if key == "values" else dump[key]  # OPPO's V_0 .. V_R: the value after each token
             signed = tensor[r][mask].double() * (-1 if key == "old_log_probs" else 1)
@@ -141,7 +141,7 @@ def test_compose_applied_row_is_the_value_times_the_inner_weights(tmp_path, toke
         if record["values"]["grpo_advantage"] == 0:
             continue
         expected = torch.tensor(record["weights"]["w~ acpo"]) * record["values"]["codapo_value"]
-        torch.testing.assert_close(torch.tensor(record["weights"]["A / A_grpo (applied)"], dtype=torch.float64), expected.double(),
+        torch.testing.assert_close(torch.tensor(record["weights"]["w~ applied"], dtype=torch.float64), expected.double(),
                                    rtol=1e-5, atol=1e-6)
 
 

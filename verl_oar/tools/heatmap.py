@@ -509,10 +509,18 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _labelled(run: RunConfig | None, section: str) -> dict[str, tuple[Any, str]]:
+    """``setting_sources`` with a default named for whose it is: training's (the run left the key unset) or,
+    without --config, the tool's (the core config class's default)."""
+    who = "training" if run is not None else "tool"
+    return {key: (value, f"{who} {source}" if source.startswith("default") else source)
+            for key, (value, source) in setting_sources(run, section).items()}
+
+
 def resolve_settings(args, run: RunConfig | None, estimators: Sequence[str]) -> Settings:
     """Explicit flags win; then the run's config (keys it does not set: training's defaults, as the run had
     them); without --config the tool's defaults (:data:`TOOL_DEFAULTS`)."""
-    oar_sources = setting_sources(run, "oar")
+    oar_sources = _labelled(run, "oar")
     chosen, sources = {}, {}
     for dest, key in FLAG_FIELDS.items():
         given = getattr(args, dest)
@@ -520,7 +528,6 @@ def resolve_settings(args, run: RunConfig | None, estimators: Sequence[str]) -> 
             value, source = given, _flag(dest)
         elif run is not None:
             value, source = oar_sources[key]
-            source = source if not source.startswith("default") else f"training {source}"
             if dest == "neutral":
                 value = "pad" if value == -1 else str(value)
             elif dest == "oar_p_max_tokens" and value == 0:
@@ -542,11 +549,10 @@ def resolve_settings(args, run: RunConfig | None, estimators: Sequence[str]) -> 
         for key, (value, source) in oar_sources.items():
             name = f"algorithm.oar.{key}"
             if name not in sources and key in OAR_SCORING_KEYS:
-                sources[name] = {"value": value, "source": source if run is not None or not source.startswith("default")
-                                 else f"tool default ({type(oar).__name__})"}
+                sources[name] = {"value": value, "source": source}
     for section in ("cscr", "oppo", "acpo"):
         if section in estimators:
-            for key, (value, source) in setting_sources(run, section).items():
+            for key, (value, source) in _labelled(run, section).items():
                 if key not in ("teacher", "overflow"):
                     sources[f"algorithm.{section}.{key}"] = {"value": value, "source": source}
     if args.temperature is not None:

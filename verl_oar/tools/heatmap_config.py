@@ -77,7 +77,10 @@ def _compose_recipe(path: Path) -> dict:
     except Exception as err:  # Hydra raises several kinds; the message is what matters
         raise RunConfigError(f"--config {path}: Hydra cannot compose this recipe ({type(err).__name__}: {err}); give "
                              "the composed config instead (<run dir>/.hydra/config.yaml)") from None
-    return OmegaConf.to_container(config, resolve=False)
+    try:
+        return OmegaConf.to_container(config, resolve=True)
+    except Exception:  # an interpolation that needs the run's environment: keep those keys as written
+        return OmegaConf.to_container(config, resolve=False)
 
 
 def _overrides(path: Path, items: list) -> list[tuple[str, Any, bool]]:
@@ -234,6 +237,8 @@ def setting_sources(run: RunConfig | None, section: str) -> dict[str, tuple[Any,
     out = {}
     for f in fields(cls):
         key = f"algorithm.{section}.{f.name}"
-        source = (run.origin.get(key) if run is not None else None) or f"default ({cls.__name__})"
+        origin = run.origin if run is not None else {}
+        nested = [file for k, file in origin.items() if k.startswith(key + ".")]  # a mapping (oppo.teacher)
+        source = origin.get(key) or (nested[-1] if nested else None) or f"default ({cls.__name__})"
         out[f.name] = (getattr(cfg, f.name), source)
     return out

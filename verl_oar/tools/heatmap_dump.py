@@ -28,9 +28,10 @@ What one response's view shows (rows over its valid response tokens):
   estimator's token signal: ``oar_importance``; ``sensitivity`` with ``|cscr_pos_shift|`` and
   ``|cscr_neg_shift|``; ``|oppo_evidence|`` and ``V_t after token``; ``acpo_surrogate``; CoDaPO's ``-old_log_probs``
   (the surprisal its confidence averages);
-* w~ rows (centred at 1 = GRPO's even credit): the dumped ``weights`` of the estimator, and ``A / A_grpo``:
-  the advantage applied divided by GRPO's (where GRPO's is not 0), i.e. the credit relative to GRPO that the
-  policy loss actually received (with compose: the value times the inner weights);
+* w~ rows (centred at 1 = GRPO's even credit): the dumped ``weights`` of the estimator (``w~ <estimator>``), and
+  ``w~ applied`` = A / A_grpo: the advantage the policy loss received divided by GRPO's advantage (1 where GRPO's
+  is 0), i.e. the credit relative to GRPO's that the run applied (with compose: v_q times the inner weights; OPPO:
+  its own scale, R - V_0 spread by the evidence, against GRPO's normalised advantage);
 * masks: OAR's reasoning and answer tokens (OAR dumps only);
 * the title: the row's GRPO advantage, reward, CoDaPO value, OAR fallback and OPPO/CSCR scored flags.
 """
@@ -166,7 +167,7 @@ def dump_records(data: dict[str, Any], tokenizer, rows: Sequence[int] | None = N
         if dumped is not None:
             weights[f"w~ {view}"] = dumped
         if applied is not None and grpo is not None:
-            weights["A / A_grpo (applied)"] = _relative(applied, grpo)
+            weights["w~ applied"] = _relative(applied, grpo)
         masks = {}
         if view == "oar":
             for label, key in (("reasoning", "oar_reasoning_mask"), ("answer", "oar_answer_mask")):
