@@ -15,6 +15,8 @@ Checked in README.md and docs/**/*.md against the code they describe:
   (the repository must read on its own).
 - A doc that lists the testbed's methods writes them after "one entry each:" as the labels of
   ``verl_oar.testbed.methods.METHODS``, comma-separated, in its order (the list ends at ";" or ")").
+- The default demo's steps (any "N steps" in README's demo section, "the demo runs N steps", "Demo budget: ...
+  x N steps") equal ``testbed.training_runs.RunSettings.steps``.
 
 Pure Python and a few small imports: no torch model, no verl trainer; well under a second.
 """
@@ -250,3 +252,37 @@ def test_recipe_count_reader() -> None:
     assert RECIPE_COUNT.search("(all 29 recipes)").group(2) is None
     assert RECIPE_COUNT.search("The 15 1.5B recipes.").group(2) == "1.5B"
     assert RECIPE_COUNT.search("NNODES=2 RAY_ADDRESS=http://<head>:8265 bash recipes/run_x.sh") is None
+
+
+# --- the demo's default steps and methods -------------------------------------------------------------
+
+def _demo_claims(path: Path) -> list[tuple[int, int]]:
+    """(line, steps) of every statement of the default demo's steps: "N steps" anywhere in README.md's section
+    whose heading names the demo (its text joined over line breaks), "the demo runs N steps" and "Demo budget:
+    ... x N steps" anywhere."""
+    found = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    section = None
+    for number, line in enumerate(lines, 1):
+        if line.startswith("#"):
+            section = line.lower()
+        text = line + " " + (lines[number] if number < len(lines) else "")
+        if path.name == "README.md" and path.parent == ROOT and section and "demo" in section:
+            found += [(number, int(m.group(1))) for m in re.finditer(r"\b(\d+) steps\b", line)]
+        found += [(number, int(m.group(1))) for m in re.finditer(r"the demo runs (\d+) steps", text, re.IGNORECASE)]
+        found += [(number, int(m.group(1))) for m in re.finditer(r"Demo budget\*?\*?:[^|]*? x (\d+) steps", line)]
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path", DOCS, ids=_rel)
+def test_the_demo_default_steps_are_run_settings(path: Path) -> None:
+    from verl_oar.testbed.training_runs import RunSettings
+
+    wrong = [f"line {n}: {steps} steps" for n, steps in _demo_claims(path) if steps != RunSettings.steps]
+    assert not wrong, (f"{_rel(path)} states the default demo's steps as {'; '.join(wrong)}; "
+                       f"verl_oar/testbed/training_runs.py RunSettings.steps = {RunSettings.steps}")
+
+
+def test_the_demo_claims_reader_finds_the_forms() -> None:
+    assert re.search(r"Demo budget\*?\*?:[^|]*? x (\d+) steps", "5. **Demo budget**: 1 seed x 3 methods (GRPO) x 10 "
+                     "steps (validation").group(1) == "10"
