@@ -18,7 +18,8 @@ Checked in README.md and docs/**/*.md against the code they describe:
 - The default demo's steps (any "N steps" in README's demo section, "the demo runs N steps", "Demo budget: ...
   x N steps") equal ``testbed.training_runs.RunSettings.steps``.
 
-Pure Python and a few small imports: no torch model, no verl trainer; well under a second.
+Pure Python plus the package imports (torch through ``verl_oar.core``): no model, no verl trainer; the import is
+most of its few seconds.
 """
 
 from __future__ import annotations
