@@ -4,6 +4,9 @@ the real passes, on a small random Qwen2 in bf16, with plain transformers and ``
     python -m pytest tests/gpu/test_memory_estimate.py -q -rs      # the test; skips cleanly without CUDA
     python tests/gpu/test_memory_estimate.py [OUT.json]             # the same cases, one JSON report, no pytest
 
+``benchmarks/gpu_acceptance.py`` calls :func:`run_cases` (after :func:`configure` for its CPU smoke run at tiny sizes,
+where the peak is the live tensor bytes of ``benchmarks/oar_g_checkpointing.LiveBytes`` and the band is not judged).
+
 About a minute on one GPU. Each case measures the peak above what was allocated before it (model weights,
 inputs) and compares it with the estimate of the same pass:
 
@@ -46,6 +49,19 @@ PROMPT, RESPONSE, EXACT_RESPONSE, ROWS = 256, 1792, 384, 4
 """OAR-G: ROWS sequences of PROMPT + RESPONSE tokens; OAR-P: a micro-batch of as many, exact mode shorter"""
 BAND = (0.8, 1.35)
 """estimate / measured accepted; the estimate is meant to err high (module docstring)"""
+DEVICE = "cuda"
+KV_LENGTH, ACPO_ROWS = 1000, 8192
+
+
+def configure(device: str = "cuda", tiny: bool = False) -> None:
+    """Where the cases run and at which sizes: the defaults above, or (``tiny``) a 2-layer model and short rows
+    (the CPU smoke run of ``benchmarks/gpu_acceptance.py --tiny``)."""
+    global DEVICE, SHAPE, VOCAB, PROMPT, RESPONSE, EXACT_RESPONSE, ROWS, KV_LENGTH, ACPO_ROWS
+    DEVICE = device
+    if tiny:
+        SHAPE = dict(SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512)
+        VOCAB, PROMPT, RESPONSE, EXACT_RESPONSE, ROWS, KV_LENGTH, ACPO_ROWS = 512, 16, 64, 32, 2, 40, 256
 
 
 def _model(attention: str = "sdpa"):
@@ -54,13 +70,20 @@ def _model(attention: str = "sdpa"):
     config = Qwen2Config(**SHAPE)
     config._attn_implementation = attention
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()  # parameters require grad, as verl's actor's
     return model, config
 
 
 def _peak(fn) -> int:
-    """Peak bytes allocated by ``fn`` above what was allocated before it."""
+    """Peak bytes allocated by ``fn`` above what was allocated before it (CPU: live tensor bytes it created)."""
+    if DEVICE != "cuda":
+        from benchmarks.oar_g_checkpointing import LiveBytes
+
+        with LiveBytes() as live:
+            result = fn()
+        del result
+        return live.peak
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -76,9 +99,9 @@ def case_kv_logits() -> dict:
     from verl_oar.core.memory_estimate import ModelShape
 
     model, config = _model()
-    rows, length, keep = 4, 1000, 8
+    rows, length, keep = 4, KV_LENGTH, 8
     with torch.no_grad():
-        out = model(input_ids=torch.randint(0, VOCAB, (rows, length), device="cuda"), use_cache=True,
+        out = model(input_ids=torch.randint(0, VOCAB, (rows, length), device=DEVICE), use_cache=True,
                     logits_to_keep=keep)
     shape = ModelShape.from_hf_config(config)
     layers = out.past_key_values.layers
@@ -103,19 +126,19 @@ def case_oar_g(objective: str, checkpointing: bool = False) -> dict:
     est = estimate(ModelShape.from_hf_config(config), run,
                    EstimatorSettings("oar_g", objective=objective, fuse_log_prob=False,
                                      gradient_checkpointing=checkpointing))
-    ids = torch.randint(1, VOCAB, (rows, length), device="cuda")
-    reasoning = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
+    ids = torch.randint(1, VOCAB, (rows, length), device=DEVICE)
+    reasoning = torch.zeros(rows, length, dtype=torch.bool, device=DEVICE)
     reasoning[:, prompt : length - answer - 2] = True
     predict = torch.zeros_like(reasoning)
     predict[:, length - answer - 1 : length - 1] = True
-    segment = torch.arange(rows, device="cuda").unsqueeze(1).expand(rows, length).contiguous()
-    head = OutcomeHead(model, predict, 1.0, torch.autocast("cuda", dtype=torch.bfloat16))
+    segment = torch.arange(rows, device=DEVICE).unsqueeze(1).expand(rows, length).contiguous()
+    head = OutcomeHead(model, predict, 1.0, torch.autocast(DEVICE, dtype=torch.bfloat16))
 
     def run_pass():
         return gradient_importance_in_forward(
             lambda transform: head.run({"input_ids": ids}, transform, full_logits=False)[1], reasoning, predict,
             torch.roll(ids, -1, 1), segment, rows, GradientConfig(objective=objective),
-            generator=torch.Generator(device="cuda").manual_seed(0))
+            generator=torch.Generator(device=DEVICE).manual_seed(0))
 
     run_pass()  # warm-up: cuBLAS / kernel workspaces are not the pass's
     return {"measured": _peak(run_pass), "estimated": est.pass_bytes,
@@ -138,13 +161,13 @@ def case_oar_p(mode: str) -> dict:
     g = torch.Generator().manual_seed(1)
     samples, reasoning = [], []
     for _ in range(run.samples):
-        ids = torch.randint(1, VOCAB, (length,), generator=g).cuda()
-        predict = torch.zeros(length, dtype=torch.bool, device="cuda")
+        ids = torch.randint(1, VOCAB, (length,), generator=g).to(DEVICE)
+        predict = torch.zeros(length, dtype=torch.bool, device=DEVICE)
         first = prompt + reasoning_len + MARKER_TOKENS - 1
         predict[first : first + answer] = True
-        mask = torch.zeros(length, dtype=torch.bool, device="cuda")
+        mask = torch.zeros(length, dtype=torch.bool, device=DEVICE)
         mask[prompt : prompt + reasoning_len] = True
-        samples.append(Sample(ids, torch.arange(length, device="cuda"), torch.full((length,), -1, device="cuda"),
+        samples.append(Sample(ids, torch.arange(length, device=DEVICE), torch.full((length,), -1, device=DEVICE),
                               predict, 1.0, prompt_len=prompt))
         reasoning.append(mask)
     rows_model = HFRowsModel(model, pad_id=0)
@@ -163,13 +186,13 @@ def case_acpo_blocks() -> dict:
     from verl_oar.core.memory_estimate import EstimatorSettings, ModelShape, RunShape, estimate
     from verl_oar.engines.fsdp.modal import BLOCK_BYTES, DEFAULT_BLOCK_BYTES, top1_log_probs
 
-    logits = torch.randn(8192, VOCAB, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(ACPO_ROWS, VOCAB, device=DEVICE, dtype=torch.bfloat16)
     block = BLOCK_BYTES.get(logits.device.type, DEFAULT_BLOCK_BYTES)
     model = ModelShape(1024, 8, 16, 4, 64, 2816, VOCAB, False)
-    est = estimate(model, RunShape(8192, 0, 8192, dtype_bytes=2, fsdp=False),
+    est = estimate(model, RunShape(ACPO_ROWS, 0, ACPO_ROWS, dtype_bytes=2, fsdp=False),
                    EstimatorSettings("acpo", acpo_block_bytes=block))
     top1_log_probs(logits, 1.0)
-    out_bytes = 8192 * 4
+    out_bytes = ACPO_ROWS * 4
     return {"measured": _peak(lambda: top1_log_probs(logits, 1.0)) - out_bytes, "estimated": est.extra_bytes,
             "block_bytes": block}
 
@@ -205,21 +228,29 @@ if pytest is not None:
         assert result["ok"], f"{name}: {json.dumps(result)}"
 
 
+def run_cases(names=None) -> dict:
+    """Every case (or ``names``), each judged by :func:`_verdict` or holding its error: the JSON report."""
+    import transformers
+
+    cuda = DEVICE == "cuda"
+    report = {"device": torch.cuda.get_device_name() if cuda else DEVICE, "torch": torch.__version__,
+              "transformers": transformers.__version__, "band": BAND, "cases": {}}
+    for name in names or CASES:
+        try:
+            report["cases"][name] = _verdict(CASES[name]())
+        except Exception as err:  # report every case, then fail
+            report["cases"][name] = {"error": repr(err), "ok": False}
+        print(name, json.dumps(report["cases"][name]), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    return report
+
+
 def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("test_memory_estimate: no CUDA device", file=sys.stderr)
         return 2
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "band": BAND, "cases": {}}
-    import transformers
-
-    report["transformers"] = transformers.__version__
-    for name, case in CASES.items():
-        try:
-            report["cases"][name] = _verdict(case())
-        except Exception as err:  # report every case, then fail
-            report["cases"][name] = {"error": repr(err), "ok": False}
-        print(name, json.dumps(report["cases"][name]), flush=True)
-        torch.cuda.empty_cache()
+    report = run_cases()
     text = json.dumps(report, indent=1)
     if len(argv) > 1:
         with open(argv[1], "w") as f:
