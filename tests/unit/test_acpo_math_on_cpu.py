@@ -1,4 +1,4 @@
-"""ACPO's advantage (verl_oar.core.acpo): METHODS.md 3.4's bound check and hand example, its invariants
+"""ACPO's advantage (verl_oar.core.acpo): docs/algo/acpo.md's bound check and hand example, its invariants
 (sign, per-sequence budget before clipping, reduction to GRPO, monotonicity) on random batches against a
 plain per-token loop, and bad inputs."""
 
@@ -47,7 +47,7 @@ def test_hand_example_success_and_failure():
 
 
 def _loop(h, a, mask, cfg):
-    """Plain per-row, per-token reference of METHODS.md 3.2."""
+    """Plain per-row, per-token reference of docs/algo/acpo.md."""
     out = torch.zeros_like(h)
     for i in range(h.shape[0]):
         ts = [t for t in range(h.shape[1]) if mask[i, t]]

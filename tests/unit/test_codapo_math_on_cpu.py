@@ -1,4 +1,4 @@
-"""CoDaPO's question value and CoDaSampling's selection (verl_oar.core.codapo): METHODS.md 2.6's hand example
+"""CoDaPO's question value and CoDaSampling's selection (verl_oar.core.codapo): docs/algo/codapo.md's hand example
 and oracles (limits, bounds, sign, reduction to GRPO, the 16-question sampler case), random batches against
 a plain per-group loop, bad inputs."""
 

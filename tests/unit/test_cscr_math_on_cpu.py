@@ -1,4 +1,4 @@
-"""CSCR's advantage (verl_oar.core.cscr): METHODS.md 4.5's hand example and invariants, a plain
+"""CSCR's advantage (verl_oar.core.cscr): docs/algo/cscr.md's hand example and invariants, a plain
 per-token loop as reference on random batches, bad inputs."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_methods_md_hand_example_exact_values():
 
 
 def _reference(adv, pos, neg, mask, cfg):
-    """Per-token loop over METHODS.md 4.2 (abs_max sensitivity), float64."""
+    """Per-token loop over docs/algo/cscr.md (abs_max sensitivity), float64."""
     bs, t = mask.shape
     sens = [[max(abs(float(pos[b, i])), abs(float(neg[b, i]))) for i in range(t)] for b in range(bs)]
     flat = sorted(sens[b][i] for b in range(bs) for i in range(t) if mask[b, i])

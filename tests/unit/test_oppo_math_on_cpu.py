@@ -1,4 +1,4 @@
-"""OPPO's advantage (verl_oar.core.oppo): METHODS.md 1.5's hand examples and invariants, a plain
+"""OPPO's advantage (verl_oar.core.oppo): docs/algo/oppo.md's hand examples and invariants, a plain
 per-token loop as reference on random batches, bad inputs."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _batch(seed: int, groups: int = 3, n: int = 4, t: int = 7):
 
 
 def _reference(e, rewards, index, mask, cfg):
-    """Per-token loop over METHODS.md 1.2 steps 1-8, float64."""
+    """Per-token loop over docs/algo/oppo.md steps 1-8, float64."""
     bs, t = mask.shape
     out = torch.zeros(bs, t, dtype=torch.float64)
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731

@@ -24,7 +24,7 @@ ATOL = 1e-5
 
 
 def reference_weights(importance, mask, cfg, found):
-    """Straightforward per-row loop over the DESIGN.md §1 recipe. Returns (w~, w, fallback) float64."""
+    """Straightforward per-row loop over docs/method.md's reshaping (section 5). Returns (w~, w, fallback) float64."""
     batch, length = importance.shape
     final = torch.ones(batch, length, dtype=torch.float64)
     raw = torch.ones(batch, length, dtype=torch.float64)

@@ -1,7 +1,7 @@
 """ACPO (Adaptive Credit Policy Optimization): GRPO's credit reweighted per token by a mode-local
 surrogate entropy, asymmetrically for successful and failed responses.
 
-Specification: ``../shared/METHODS.md`` section 3.2, a reading of the paper's abstract (no full text or
+Specification: docs/algo/acpo.md, a reading of the paper's abstract (no full text or
 code was public: every choice below is a [GUESS] behind a key of :class:`ACPOConfig`). Per response,
 over its valid tokens ``t`` (``T`` of them), with GRPO's sequence advantage ``A``:
 
@@ -39,7 +39,7 @@ SURROGATES = ("modal", "sampled", "shannon")
 
 @dataclass(frozen=True)
 class ACPOConfig:
-    """Everything ACPO's advantage reads from ``algorithm.acpo`` (METHODS.md 3.2; all [GUESS])."""
+    """Everything ACPO's advantage reads from ``algorithm.acpo`` (docs/algo/acpo.md; all [GUESS])."""
 
     surrogate: str = "modal"
     """[GUESS] H~: ``modal`` -log p_max (the abstract's "mode-local surrogate", computed inside verl's

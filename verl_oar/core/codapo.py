@@ -1,7 +1,7 @@
 """CoDaPO (Confidence and Difficulty-adaptive Policy Optimization): a per-question value from the group's
 confidence and difficulty scales GRPO's advantage; CoDaSampling reuses each batch on its top questions.
 
-Specification: ``../shared/METHODS.md`` section 2, read in the authors' public code
+Specification: docs/algo/codapo.md, read in the authors' public code
 (``tmlr-group/CoDaPO``, ``compute_codapo_advantage``). Per question ``q`` with a group of ``G`` responses:
 
 1. accuracy:    acc_q = #{i : R_i == 1} / G;  difficulty d_q = 1 - acc_q
@@ -34,7 +34,7 @@ __all__ = ["CoDaPOConfig", "codapo_stats", "question_values", "refocused_order",
 
 @dataclass(frozen=True)
 class CoDaPOConfig:
-    """Everything CoDaPO reads from ``algorithm.codapo`` (the authors' defaults, METHODS.md 2.4)."""
+    """Everything CoDaPO reads from ``algorithm.codapo`` (the authors' defaults, docs/algo/codapo.md)."""
 
     weight_offset: float = 0.1
     """added to every question's value: the least weight a question gets (authors: 0.1)"""

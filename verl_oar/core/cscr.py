@@ -1,7 +1,7 @@
 """CSCR (Counterfactual Sensitivity Credit Reallocation): GRPO's credit taken from tokens whose
 likelihood the privileged prompts move most, and given back to the rest of the sequence.
 
-Specification: ``../shared/METHODS.md`` section 4.2 (the paper's full text was not public; every
+Specification: docs/algo/cscr.md (the paper's full text was not public; every
 [GUESS] there is a key of :class:`CSCRConfig`). Per response, over its valid tokens ``t``
 (``T`` of them), with GRPO's sequence advantage ``A``:
 
@@ -42,7 +42,7 @@ THRESHOLD_MODES = ("quantile", "absolute")
 
 @dataclass(frozen=True)
 class CSCRConfig:
-    """Everything CSCR's advantage reads from ``algorithm.cscr`` (METHODS.md 4.2; [GUESS] = not public)."""
+    """Everything CSCR's advantage reads from ``algorithm.cscr`` (docs/algo/cscr.md; [GUESS] = not public)."""
 
     threshold_mode: str = "quantile"
     """[GUESS] how ``threshold`` is read: ``quantile`` (a level in [0, 1] of the batch's sensitivities)

@@ -1,7 +1,7 @@
 """OPPO (Oracle-Prompted Policy Optimization): token advantages from a Bayesian value recursion over
 the oracle's evidence.
 
-Specification: ``../shared/METHODS.md`` section 1.2 (no public code; every [GUESS] there is a key of
+Specification: docs/algo/oppo.md (no public code; every [GUESS] there is a key of
 :class:`OPPOConfig`). Per response, over its valid tokens ``t`` (mask ``m``), with reward ``R`` in
 [0, 1] and its group's success rate ``p``:
 
@@ -55,7 +55,7 @@ STD_EPS = 1e-6
 
 @dataclass(frozen=True)
 class OPPOConfig:
-    """OPPO's advantage keys under ``algorithm.oppo`` (METHODS.md 1.2; [GUESS] = not public)."""
+    """OPPO's advantage keys under ``algorithm.oppo`` (docs/algo/oppo.md; [GUESS] = not public)."""
 
     clip: float = 2.0
     """[GUESS: value] evidence clipping c in nats (lambda in [e^-c, e^c]); 0 disables it"""

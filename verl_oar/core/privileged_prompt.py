@@ -1,7 +1,7 @@
 """Privileged prompts: the row's chat messages with the last user turn rewritten from a template.
 
 CSCR and OPPO re-score the sampled response under a prompt that knows something the policy did not
-(METHODS.md 0.1): the reference answer (OPPO's oracle) or an assertion about the outcome (CSCR's two
+(docs/algo/cscr.md, docs/algo/oppo.md): the reference answer (OPPO's oracle) or an assertion about the outcome (CSCR's two
 conditions). A template is plain text with two placeholders, replaced literally (other braces, e.g.
 ``\\boxed{}``, are kept as written):
 
@@ -28,11 +28,11 @@ __all__ = ["CSCR_NEGATIVE", "CSCR_POSITIVE", "ELISION", "OPPO_ORACLE", "OVERFLOW
            "ground_truth", "last_user_text", "rewrite_messages", "shorten"]
 
 CSCR_POSITIVE = "{question}\n\n[Privileged information] The final answer reached in the response below is correct."
-"""[GUESS] METHODS.md 4.3: c+ asserts the outcome is correct (the paper's texts are not public)"""
+"""[GUESS] docs/algo/cscr.md: c+ asserts the outcome is correct (the paper's texts are not public)"""
 CSCR_NEGATIVE = "{question}\n\n[Privileged information] The final answer reached in the response below is incorrect."
-"""[GUESS] METHODS.md 4.3: c- asserts it is incorrect"""
+"""[GUESS] docs/algo/cscr.md: c- asserts it is incorrect"""
 OPPO_ORACLE = "{question}\n\nThe correct final answer is: {answer}."
-"""[GUESS: wording] METHODS.md 1.3: the reference final answer appended to the user turn"""
+"""[GUESS: wording] docs/algo/oppo.md: the reference final answer appended to the user turn"""
 
 
 OVERFLOWS = ("truncate", "skip")
