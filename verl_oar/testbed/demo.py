@@ -2,7 +2,7 @@
 trainer on CPU from the committed start, compare them on the pre-registered measures, and show the
 credit each one assigned; an HTML report.
 
-    python -m verl_oar.testbed.demo [--out DIR] [--seeds 0] [--steps 12] [--methods grpo,oar_g,oar_p] ...
+    python -m verl_oar.testbed.demo [--out DIR] [--seeds 0] [--steps 10] [--methods grpo,oar_g,oar_p] ...
 
 In order, each printing progress:
 
