@@ -212,9 +212,6 @@ _NO_MODEL = object()
 def check(argv: Sequence[str]) -> tuple[int, dict]:
     """(exit status, report) of ``verl-oar check argv``; the report is printed by :func:`main`."""
     args, overrides = split_argv(argv)
-    if not args.online:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     source = (f"{args.config_path}/{args.config_name}.yaml" if args.config_path else
               f"verl's {args.config_name or 'ppo_trainer'}")
     report: dict = {"ok": False, "config": source, "overrides": overrides, "estimator": None, "settings": {},
@@ -294,6 +291,9 @@ def render(report: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the report (text or ``--json``); return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--online" not in argv:  # before transformers is imported: it reads these once (OPPO's teacher check loads
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tokenizers; the model's shape is read locally anyway)
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     status, report = check(argv)
     print(json.dumps(report, indent=2, default=str) if "--json" in argv else render(report), flush=True)
     return status
