@@ -1,0 +1,70 @@
+"""The ``verl-oar`` console script: one entry for the package's commands, each the module's own ``main``.
+
+    verl-oar demo [flags]            the CPU demo on the pick_max testbed   (python -m verl_oar.testbed.demo)
+    verl-oar check [overrides]       will this verl run start? a preflight (python -m verl_oar.tools.check)
+    verl-oar compare RUNS... [flags] methods over seeds from verl's file logger (python -m verl_oar.tools.compare)
+    verl-oar heatmap [flags]         token weights of dumped steps            (python -m verl_oar.tools.heatmap)
+
+``verl-oar <command> --help`` shows a command's flags. Arguments after the command go to it unchanged. The
+commands are imported only when called: ``verl-oar --help`` loads neither verl nor torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+COMMANDS = {
+    "demo": ("verl_oar.testbed.demo", "train GRPO / OAR-G / OAR-P on the CPU testbed through verl's trainer; HTML report"),
+    "check": ("verl_oar.tools.check", "preflight of a verl run (same Hydra overrides as main_ppo): refusals, settings, "
+              "cost, memory per GPU, data; exit 0 = it would start"),
+    "compare": ("verl_oar.tools.compare", "compare methods over seeds from verl's file-logger jsonl: table, intervals, "
+                "figures"),
+    "heatmap": ("verl_oar.tools.heatmap", "per-token heatmaps of the advantages OAR dumped (algorithm.oar.dump_dir)"),
+}
+"""command -> (module with ``main(argv)``, one line of help)"""
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: verl-oar <command> [args...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "verl-oar <command> --help: the command's flags. python -m <module> runs the same code."]
+    return "\n".join(lines)
+
+
+def _command(name: str):
+    """The command's ``main`` (imported here, when called: the import statements name every edge)."""
+    if name == "demo":
+        from verl_oar.testbed import demo
+
+        return demo.main
+    if name == "check":
+        from verl_oar.tools import check
+
+        return check.main
+    if name == "compare":
+        from verl_oar.tools import compare
+
+        return compare.main
+    from verl_oar.tools import heatmap
+
+    return heatmap.main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a command's ``main``; return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"verl-oar: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    result = _command(name)(rest)
+    return result if isinstance(result, int) else 0  # demo and heatmap return their summary: success
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
