@@ -152,7 +152,8 @@ def run_refusals(config) -> list[str]:
                                 "the environment verl runs in.")
     from verl_oar.integration.validate import LEGACY, check_token_signals_supported
 
-    mode = str(config.trainer.v1.trainer_mode) if config.trainer.get("use_v1", True) else LEGACY
+    v1 = config.trainer.get("v1", None) or {}
+    mode = str(v1.get("trainer_mode", "sync")) if config.trainer.get("use_v1", True) else LEGACY
     try:
         providers = check_token_signals_supported(config, mode)
         if providers:

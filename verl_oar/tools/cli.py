@@ -36,9 +36,9 @@ def usage() -> str:
 def _command(name: str):
     """The command's ``main`` (imported here, when called: the import statements name every edge)."""
     if name == "demo":
-        from verl_oar.testbed import demo
+        from verl_oar.testbed.demo import main as demo_main
 
-        return demo.main
+        return demo_main
     if name == "check":
         from verl_oar.tools import check
 
