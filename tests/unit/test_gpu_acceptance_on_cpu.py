@@ -1,0 +1,94 @@
+"""scripts/gpu_acceptance.sh --tiny: every GPU-only check runs on CPU at tiny sizes, so the script cannot rot before a
+GPU is lent. Checks the JSON's shape (machine, versions, each check's status / seconds / budget / reason) and the text
+summary; that nothing on the script's path imports verl; that a check not run says why.
+
+About 45 s on 2 shared cores (one process: torch + transformers imports ~10 s, then the eight checks at tiny sizes;
+the exactness check's naive loops and the two cost rows take most of it), plus ~15 s for two short processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ["oar_p_exact", "oar_g_noise_device", "oar_cost_1.5b", "acpo_top1", "privileged_noise_floor",
+          "memory_estimate", "oar_cost_7b", "oar_g_checkpointing"]
+STATUSES = {"ok", "failed", "skipped"}
+
+
+def _run(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_acceptance.sh"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _entries_well_formed(report: dict) -> None:
+    assert report["schema"] == 1 and report["order"] == CHECKS and list(report["checks"]) == CHECKS
+    for name, entry in report["checks"].items():
+        assert entry["status"] in STATUSES, (name, entry)
+        assert isinstance(entry["seconds"], (int, float)) and entry["seconds"] >= 0, (name, entry)
+        assert entry["budget_s"] > 0 and entry["question"], (name, entry)
+        if entry["status"] != "ok":
+            assert entry["reason"], (name, entry)  # skipped or failed: always with its reason
+        if entry["status"] != "skipped":
+            assert entry["result"]["headline"], (name, entry)
+
+
+def test_every_check_runs_at_tiny_sizes_and_reports(tmp_path):
+    out = tmp_path / "acceptance.json"
+    proc = _run("--tiny", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    _entries_well_formed(report)
+    failed = {n: e.get("reason") for n, e in report["checks"].items() if e["status"] != "ok"}
+    assert not failed, failed
+    assert report["finished"] and report["tiny"] and report["running"] is None
+    assert report["verl_modules_loaded"] == []  # the device machine has no verl
+    machine = report["machine"]
+    for key in ("torch", "transformers", "python", "cpu", "device", "flash_attn", "attentions"):
+        assert key in machine, key
+    assert sum(c["budget_s"] for c in report["checks"].values()) <= report["budget_s"] - 20  # start-up margin
+    # the results the lead quotes
+    checks = {n: e["result"] for n, e in report["checks"].items()}
+    assert checks["oar_p_exact"]["cases"]["float64_sdpa"]["mean"]["max_rel_err"] <= 1e-6
+    assert checks["oar_g_noise_device"]["bit_identical"] and all(checks["oar_g_noise_device"]["bit_identical"].values())
+    for cost in ("oar_cost_1.5b", "oar_cost_7b"):
+        assert {"logprob", "oar_g_fused", "oar_p_chunk16", "oar_p_chunk16_per_sample", "oar_p_hierarchical",
+                "target"} <= set(checks[cost])
+    assert checks["privileged_noise_floor"]["identity_template_equal"]
+    assert set(checks["memory_estimate"]["cases"]) >= {"oar_g_noisy_kl", "oar_p_chunk", "acpo_blocks"}
+    text = out.with_suffix(".txt").read_text().splitlines()
+    assert "8 ok, 0 failed, 0 skipped of 8" in text[0] and len(text) == 1 + len(CHECKS)
+
+
+def test_checks_not_run_say_why_and_verl_is_refused(tmp_path):
+    """One process: the import guard (a check that imported verl fails here as on the device machine), an unknown
+    ``--only`` name refused with the list, and ``--only`` running one check, the others skipped with the reason."""
+    out = tmp_path / "one.json"
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_acceptance as g\n"
+            "try:\n    import verl.utils\nexcept ModuleNotFoundError as e:\n    print('REFUSED', e)\n"
+            "try:\n    g.main(['--tiny', '--only', 'no_such_check'])\nexcept SystemExit as e:\n    print('EXIT', e.code)\n"
+            "print('RC', g.main(['--tiny', '--only', 'oar_g_noise_device', '--out', sys.argv[1]]))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert "REFUSED" in proc.stdout and "verl_oar.core" in proc.stdout, proc.stdout + proc.stderr
+    assert "EXIT 2" in proc.stdout and "unknown check(s)" in proc.stderr and "oar_p_exact" in proc.stderr
+    assert "RC 0" in proc.stdout, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    _entries_well_formed(report)
+    assert [n for n, e in report["checks"].items() if e["status"] == "ok"] == ["oar_g_noise_device"]
+    assert all(e["reason"] == "not selected (--only)" for n, e in report["checks"].items() if n != "oar_g_noise_device")
+
+
+def test_a_check_that_no_longer_fits_the_budget_is_skipped_with_the_reason(tmp_path):
+    out = tmp_path / "none.json"
+    proc = _run("--tiny", "--budget-s", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    _entries_well_formed(report)
+    assert all(e["status"] == "skipped" and e["reason"].startswith("not started:") for e in report["checks"].values())
+    assert "0 ok, 0 failed, 8 skipped of 8" in out.with_suffix(".txt").read_text()
