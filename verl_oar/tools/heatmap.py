@@ -1,13 +1,42 @@
-"""OAR token-importance heatmap of any response, from any Hugging Face causal LM and its tokenizer.
+"""Token-credit heatmaps: what a run applied (from its dumps), or any estimator recomputed on any Hugging Face causal LM.
 
+Two modes:
+
+    # the credit a run actually applied, per row, from one of its step dumps (+algorithm.oar.dump_dir=DIR); no model
+    python -m verl_oar.tools.heatmap --dump DIR/step_N.pt --tokenizer MODEL_PATH [--rows 0,3,5] [--config RUN_CONFIG]
+
+    # recompute from a model (a verl checkpoint: merge it first, below), with the run's settings (--config)
     python -m verl_oar.tools.heatmap --model PATH (--prompt TEXT --response TEXT | --rollouts FILE [--rows 0,3,5]
-        [--prompt-key K] [--response-key K]) [--estimators oar_g,oar_p,cscr,oppo] [--oar-p-mode exact|chunk|line]
+        [--prompt-key K] [--response-key K]) [--config RUN_CONFIG ...]
+        [--estimators oar_g,oar_p,cscr,oppo,acpo] [--oar-p-mode exact|chunk|line|hierarchical]
         [--oar-p-budget 16] [--neutral pad|space|ID] [--ground-truth TEXT | --ground-truth-key K] [--reward 1.0]
-        [--oracle MODULE:FUNCTION] [--chat-template | --no-chat-template]
+        [--advantage 1.0] [--oracle MODULE:FUNCTION] [--chat-template | --no-chat-template]
         [--temperature 1.0] [--seed 0] [--out DIR] [--dtype float32|bfloat16] [--device cpu|cuda]
 
-Writes ``heatmap_<row>.png`` per response, ``heatmap.html`` with all of them and ``heatmap.json``
-(tokens, masks, every estimator's scores and OAR weights) to ``--out``, and prints the paths.
+Both write ``heatmap_<row>.png`` per response, ``heatmap.html`` with all of them and ``heatmap.json`` to ``--out``,
+and print the paths (stdout); the recompute prints every setting it used and where it came from (stderr).
+``main(argv)`` runs the CLI in-process and returns the JSON content.
+
+``--dump``: ``tools/heatmap_dump.py`` says what each estimator's dump holds and what each view draws (oar_g,
+oar_p, cscr, oppo, acpo, codapo, and any of them under ``+algorithm.codapo.compose=true``).
+
+``--config`` (``tools/heatmap_config.py``): the run's composed config (``<run dir>/.hydra/config.yaml``, a logged
+config), a recipe yaml (composed by Hydra) or a file of Hydra overrides, repeatable (later wins). The recompute
+then takes ``algorithm.oar`` / ``cscr`` / ``oppo`` / ``acpo`` and the rollout temperature from the run, the keys
+the run left unset at training's defaults (e.g. OAR-P ``chunk`` with K=16, not the tool's ``exact``); flags
+given explicitly still win. Without ``--config`` the tool's defaults hold (exact OAR-P, default reshaping).
+
+From verl's checkpoint to the folder ``--model`` reads (verl 0.9.1, ``verl/model_merger``; checked on a
+2-rank FSDP2 checkpoint saved by verl's ``FSDPCheckpointManager``, tests/unit/test_heatmap_checkpoint_on_cpu.py)::
+
+    python -m verl.model_merger merge --backend fsdp \
+        --local_dir <trainer.default_local_dir>/global_step_N/actor --target_dir <hf_dir>
+    # Megatron: --backend megatron (add --tie-word-embedding for tied models)
+
+The merger writes the weights in bfloat16 (it casts every shard), with the config and tokenizer from the
+checkpoint's ``huggingface/`` folder; ``--dtype float32`` upcasts them on load.
+
+Recompute steps, per response, in the order they run:
 
 Steps, per response, in the order they run:
 
@@ -19,16 +48,20 @@ Steps, per response, in the order they run:
 2. reasoning and answer tokens: ``verl_oar.core.answer_span.locate_answer_tokens`` on the response ids
    (what the training worker uses); a response with no answer is reported and skipped. A position
    predicts the answer when its next token is an answer token.
-3. OAR-G (``core.hf.hf_importance`` with ``GradientConfig()``: AS-MEAN, noisy KL, grad x input;
-   noise drawn from a generator seeded with ``--seed``; clean logits from a no-grad forward) and
-   OAR-P (``core.hf.hf_importance`` with a ``PerturbationConfig``, AS-MEAN, prefix sharing where the
-   model allows it), logits divided by ``--temperature`` as the worker divides by the rollout's.
-4. OAR weights (``reshape.importance_to_weights`` with ``OARConfig()``'s reshape defaults) of each
+3. OAR-G (``core.hf.hf_importance`` with ``OARConfig.gradient_config()``: by default AS-MEAN, noisy KL,
+   grad x input; noise drawn from a generator seeded with ``--seed``; clean logits from a no-grad forward) and
+   OAR-P (``core.hf.hf_importance`` with ``OARConfig.perturbation_config()``, prefix sharing where the model
+   allows it), logits divided by the temperature as the worker divides by the rollout's. The ``OARConfig`` is
+   the run's (``--config``) with the flags applied, else the tool's defaults.
+4. OAR weights (``reshape.importance_to_weights`` with that ``OARConfig``'s reshaping) of each
    estimator's importance: what training would multiply the response's GRPO advantage by.
    CSCR and OPPO (``--estimators cscr,oppo``; ``tools/heatmap_privileged.py`` says how, and its
    departures): their token signal (sensitivity, evidence) as a score row and their weights as a w~ row,
    from re-scoring the response under the rewritten prompt; OPPO needs the reference answer
    (``--ground-truth`` or the rollouts' ``--ground-truth-key`` column) and the response's reward (``--reward``).
+   ACPO (``--estimators acpo``; ``tools/heatmap_modal.py``): the surrogate entropy of ``algorithm.acpo.surrogate``
+   from the model's logits as a score row, its weights for a response of GRPO advantage ``--advantage`` as a w~
+   row. CoDaPO is refused here: its value needs the question's whole group (``--dump`` shows it).
 5. an oracle (``main(oracle=...)`` or ``--oracle MODULE:FUNCTION``): known causal tokens per response,
    drawn under the scores; e.g. the pick_max testbed's ``verl_oar.testbed.pick_max:heatmap_oracle``.
 
@@ -92,6 +125,16 @@ GROUND_TRUTH_KEYS = ("ground_truth", "reward_model", "gts")
 """tried in order for OPPO's reference answer: a generic file, verl's RL parquet, verl's rollout dump"""
 DUMP_PROMPT_KEY = "input"
 """verl's rollout dump: the prompt already went through the chat template (departure 1)"""
+EPILOG = """\
+modes:
+  --dump DIR/step_N.pt --tokenizer MODEL_PATH   the credit the run applied (+algorithm.oar.dump_dir=DIR); no model
+  --model HF_DIR ...                            recompute; add --config RUN_CONFIG for the run's settings
+
+a verl checkpoint is sharded; merge it into a Hugging Face folder first (verl 0.9.1):
+  python -m verl.model_merger merge --backend fsdp \\
+      --local_dir <trainer.default_local_dir>/global_step_N/actor --target_dir <hf_dir>
+  (the fsdp merger writes bfloat16 weights; Megatron: --backend megatron, --tie-word-embedding for tied embeddings)
+"""
 DEFAULT_ROWS = 8
 DEFAULT_ESTIMATORS = "oar_g,oar_p"
 """rows drawn from a rollouts file without --rows: the first ones"""
@@ -357,7 +400,8 @@ def token_texts(response_ids: Sequence[int], tokenizer) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verl_oar.tools.heatmap", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m verl_oar.tools.heatmap", description=__doc__.splitlines()[0],
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_argument_group("what to score")
     source.add_argument("--model",
                         help="Hugging Face causal LM directory (or hub id) with its tokenizer; a verl checkpoint "
