@@ -117,3 +117,16 @@ def test_json_flag_prints_the_report_alone_on_stdout(capsys, monkeypatch):
     report = json.loads(out.out)
     assert report["ok"] and report["estimator"] == "oar_g" and report["settings"]["algorithm.oar"]["tau"] == 0.5
     assert "[validate_config]" in out.err  # verl's print, kept off stdout
+
+
+def test_gpu_memory_predicts_the_workers_memory_check():
+    """--gpu-memory runs the workers' own verdict (memory_check.worker_verdict) on a GPU of that size: the tiny
+    model fits 80 GiB; on 1 GiB the 2 GiB reserve alone leaves nothing, so the workers would stop: exit 1."""
+    argv = [*RECIPE, "qwen2_5_math_1_5b_oar_g", f"actor_rollout_ref.model.path={MODEL}"]
+    status, report = check.check([*argv, "--gpu-memory", "80"])
+    assert status == 0 and "memory check: oar_g fits: GPU 80.0 GiB" in report["memory_verdict"]
+    status, report = check.check([*argv, "--gpu-memory", "1"])
+    assert status == 1 and report["refusal"]["stage"] == "memory"
+    message = report["refusal"]["message"]
+    assert message.startswith("predicted for a 1 GiB GPU") and "cannot fit this GPU" in message
+    assert "Bring it down with one of" in message  # the knobs, as the workers would list them

@@ -61,6 +61,9 @@ def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--responses", default=None,
                    help="a .jsonl or .parquet of sample responses: count the answers the answer locator finds")
     p.add_argument("--response-key", default="response", help="the responses' text field / column")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="also predict the workers' memory check on GPUs of this size (GiB, e.g. 80): exit 1 if they "
+                        "would stop the run")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--online", action="store_true",
                    help="let transformers reach the hub (default: offline, HF_HUB_OFFLINE=1: local files and cache only)")
@@ -188,9 +191,11 @@ def local_model_config(path: str, trust_remote_code: bool):
                       f"config.json (huggingface-cli download {path} config.json) or point the path at a local copy.")
 
 
-def memory_block(config) -> tuple[str, list[str]]:
-    """(the block the driver logs at start-up, notes). The model's shape comes from local files only; when they
-    are missing the block keeps its estimator and cost lines and the note says why the memory lines are not there."""
+def memory_block(config, gpu_bytes: int | None = None) -> tuple[str, list[str], str | None]:
+    """(the block the driver logs at start-up, notes, the workers' verdict on a GPU of ``gpu_bytes`` or None). The
+    model's shape comes from local files only; when they are missing the block keeps its estimator and cost lines
+    and the note says why the memory lines are not there. Raises Refusal when the predicted verdict would stop the
+    workers (``VERL_OAR_MEMORY_CHECK=error``)."""
     from verl_oar.integration.memory_check import run_plan, startup_block
 
     plan = run_plan(config)
@@ -199,11 +204,36 @@ def memory_block(config) -> tuple[str, list[str]]:
     if plan["teacher_path"]:
         teacher, teacher_why = local_model_config(plan["teacher_path"], plan["trust_remote_code"])
     notes = [n for n in (why, teacher_why) if n]
-    if not notes:
-        return startup_block(config, model_config=model, teacher_config=teacher), notes
-    # a config the block cannot use: it prints its estimator and cost lines and one 'unavailable' line (ours: the note)
-    lines = startup_block(config, model_config=_NO_MODEL, teacher_config=_NO_MODEL).splitlines()
-    return "\n".join(line for line in lines if not line.strip().startswith("estimate ")), notes
+    if notes:
+        # a config the block cannot use: it prints its estimator and cost lines and one 'unavailable' line (ours: the note)
+        lines = startup_block(config, model_config=_NO_MODEL, teacher_config=_NO_MODEL).splitlines()
+        return "\n".join(line for line in lines if not line.strip().startswith("estimate ")), notes, None
+    block = startup_block(config, model_config=model, teacher_config=teacher)
+    verdict = None if gpu_bytes is None else predicted_verdict(plan, model, teacher, gpu_bytes, notes)
+    return block, notes, verdict
+
+
+def predicted_verdict(plan: dict, model_config, teacher_config, gpu_bytes: int, notes: list[str]) -> str | None:
+    """The memory check each worker makes once its models are built (``memory_check.worker_verdict``), on a GPU of
+    ``gpu_bytes``, with what the worker would find allocated predicted: its fp32 parameter shard (none with
+    ``param_offload``; the reference model and OPPO's teacher sit on CPU between passes)."""
+    from verl_oar.core.memory_estimate import ModelShape, training_state_bytes
+    from verl_oar.integration.memory_check import check_action, worker_verdict
+
+    if plan["strategy"] == "megatron" or check_action() == "off":
+        notes.append("no memory verdict: the workers do not check " +
+                     ("on Megatron" if plan["strategy"] == "megatron" else "(VERL_OAR_MEMORY_CHECK=off)"))
+        return None
+    model = ModelShape.from_hf_config(model_config)
+    teacher = ModelShape.from_hf_config(teacher_config) if teacher_config is not None else None
+    world = plan["data_parallel"]
+    allocated = 0 if plan["param_offload"] else training_state_bytes(model, world)[0]
+    role = "actor_rollout_ref" if plan["importance_role"] == "actor" else "ref"
+    decision, report = worker_verdict(plan, model, teacher, gpu_bytes, allocated, world, role)
+    if decision.refuse and check_action() == "error":
+        raise Refusal("memory", f"predicted for a {gpu_bytes / 2**30:g} GiB GPU (the workers check this once their "
+                                f"models are built): {report}")
+    return report
 
 
 _NO_MODEL = object()
@@ -216,8 +246,8 @@ def check(argv: Sequence[str]) -> tuple[int, dict]:
     source = (f"{args.config_path}/{args.config_name}.yaml" if args.config_path else
               f"verl's {args.config_name or 'ppo_trainer'}")
     report: dict = {"ok": False, "config": source, "overrides": overrides, "estimator": None, "settings": {},
-                    "passed": [], "refusal": None, "startup_block": None, "notes": [], "data": None,
-                    "responses": None, "gpu_only": list(GPU_ONLY)}
+                    "passed": [], "refusal": None, "startup_block": None, "memory_verdict": None, "notes": [],
+                    "data": None, "responses": None, "gpu_only": list(GPU_ONLY)}
     try:
         with contextlib.redirect_stdout(sys.stderr):  # verl's checks print; stdout is the report's (--json)
             _check(args, overrides, report)
@@ -243,7 +273,8 @@ def _check(args: argparse.Namespace, overrides: list[str], report: dict) -> None
     from verl_oar.integration.signals import needed_signals
 
     if needed_signals(config.algorithm.adv_estimator, config.algorithm):
-        report["startup_block"], report["notes"] = memory_block(config)
+        gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
+        report["startup_block"], report["notes"], report["memory_verdict"] = memory_block(config, gpu)
     data = sample_train_file(config, args.sample)
     report["data"] = data
     if data["refusal"]:
@@ -268,6 +299,8 @@ def render(report: dict) -> str:
     out += [f"  passed       {p}" for p in report["passed"]]
     if report["startup_block"]:
         out += ["  " + line for line in report["startup_block"].splitlines()]
+    if report.get("memory_verdict"):
+        out.append(f"  GPU check    (predicted) {report['memory_verdict']}")
     out += [f"  note         {n}" for n in report["notes"]]
     data = report["data"]
     if data:
