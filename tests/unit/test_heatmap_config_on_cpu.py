@@ -217,3 +217,31 @@ def test_codapo_is_refused_in_the_recompute_with_the_reason(model_dir, tmp_path)
 def test_a_model_or_a_dump_is_needed(tmp_path):
     with pytest.raises(SystemExit, match="give --model PATH"):
         main(["--prompt", PROMPT, "--response", RESPONSE, "--out", str(tmp_path)])
+
+
+def test_cscr_and_oppo_take_the_runs_sections(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_oar.core.cscr import CSCRConfig
+    from verl_oar.core.oppo import OPPOConfig
+    from verl_oar.tools.heatmap import make_sample
+    from verl_oar.tools.heatmap_privileged import cscr_signal, oppo_signal
+
+    config = _write(tmp_path / "overrides.txt", "+algorithm.cscr.threshold=0.5\n+algorithm.cscr.floor=0.6\n"
+                    "+algorithm.oppo.clip=0.0001\n")
+    args = ["--estimators", "cscr,oppo", "--ground-truth", "75", "--reward", "1.0"]
+    report = _run(model_dir, tmp_path / "a", *args, "--config", str(config))
+    default = _run(model_dir, tmp_path / "b", *args)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sample = make_sample(0, PROMPT, RESPONSE, tokenizer, True)
+    _, cscr = cscr_signal(model, tokenizer, sample, 1.0, CSCRConfig(threshold=0.5, floor=0.6))
+    _, oppo = oppo_signal(model, tokenizer, sample, "75", 1.0, 1.0, OPPOConfig(clip=0.0001))
+    row = report["rows"][0]
+    assert row["weights"]["cscr"] == cscr.tolist() and row["weights"]["oppo"] == oppo.tolist()
+    assert row["weights"]["cscr"] != default["rows"][0]["weights"]["cscr"]
+    assert row["weights"]["oppo"] != default["rows"][0]["weights"]["oppo"]
+    settings = report["config"]["settings"]
+    assert settings["algorithm.cscr.floor"] == {"value": 0.6, "source": str(config)}
+    assert settings["algorithm.oppo.clip"] == {"value": 0.0001, "source": str(config)}
+    assert settings["algorithm.oppo.prior"]["source"] == "training default (OPPOConfig)"

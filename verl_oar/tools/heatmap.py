@@ -731,6 +731,10 @@ def run(args, oracle: Oracle | None = None) -> dict:
         raise HeatmapInputError(f"--reward {args.reward}: OPPO reads it as the response's success probability, in [0, 1]")
     settings = resolve_settings(args, run_config, estimators)
     print_settings(settings.sources)
+    if "oppo" in estimators and settings.oppo.oracle != "self":
+        print(f"verl_oar.tools.heatmap: the run's OPPO oracle is {settings.oppo.oracle!r} (algorithm.oppo.teacher: "
+              f"{settings.oppo.teacher_path}); this heatmap scores the oracle prompt with --model {args.model} itself: "
+              "give the teacher's folder as --model to see the teacher's evidence", file=sys.stderr)
     items, chat_template = _inputs(args, estimators)  # file, keys and rows are checked before any model is loaded
     answers = _ground_truths(args, [row for row, _, _ in items]) if "oppo" in estimators else {}
     tokenizer = _load_tokenizer(args.model)

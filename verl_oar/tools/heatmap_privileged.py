@@ -6,7 +6,8 @@ on one sequence at a time:
 * log-probs of the response tokens (T,) under the rollout prompt and under each rewritten prompt
   (``core.privileged_prompt.rewrite_messages`` on the prompt's chat messages, the chat template applied
   with ``add_generation_prompt=True``), logits divided by the temperature; the shift is their difference;
-* CSCR: sensitivity ``max(|shift+|, |shift-|)`` and its weights ``w~`` (``core.cscr``, its defaults);
+* CSCR: sensitivity ``max(|shift+|, |shift-|)`` and its weights ``w~`` (``core.cscr`` with the run's ``algorithm.cscr``
+  from ``--config``, else its defaults; OPPO likewise reads ``algorithm.oppo``);
   departure: the quantile threshold is taken over this response's tokens (training: over the batch's);
 * OPPO: evidence (the shift under the oracle prompt with the reference answer) and the token advantages
   of the response for reward ``reward`` from the prior 1/2, shown as ``w~ = A_t * T / (R - V_0)``: the
