@@ -130,3 +130,13 @@ def test_gpu_memory_predicts_the_workers_memory_check():
     message = report["refusal"]["message"]
     assert message.startswith("predicted for a 1 GiB GPU") and "cannot fit this GPU" in message
     assert "Bring it down with one of" in message  # the knobs, as the workers would list them
+
+
+def test_a_relative_config_path_is_resolved_as_main_ppo_does(monkeypatch):
+    """main_ppo's Hydra reads a relative --config-path under verl/trainer/ (checked: `python -m
+    verl.trainer.main_ppo --config-path=recipes/config ...` from the repository root fails with 'config directory
+    .../verl/trainer/recipes/config' not found); the check refuses it the same way and gives the absolute path."""
+    monkeypatch.chdir(RECIPES_DIR.parent)
+    status, report = check.check(["--config-path", "recipes/config", "--config-name", "qwen2_5_math_1_5b_grpo"])
+    assert status == 1 and report["refusal"]["stage"] == "hydra"
+    assert f"Give an absolute path: --config-path={RECIPES_DIR / 'config'}" in report["refusal"]["message"]

@@ -55,12 +55,13 @@ def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ``-cp X`` (and ``--config-name`` / ``-cn``) are taken as Hydra's."""
     p = argparse.ArgumentParser(prog="verl-oar check", description=__doc__.split("\n\n")[0],
                                 epilog="Everything else is a Hydra override, as for python -m verl.trainer.main_ppo.")
-    p.add_argument("--config-path", "-cp", default=None, help="a folder of Hydra configs (a recipe's recipes/config)")
+    p.add_argument("--config-path", "-cp", default=None, help="a folder of Hydra configs, absolute (a relative one is read under verl/trainer/, as "
+                        "main_ppo does); a recipe's: $PWD/recipes/config")
     p.add_argument("--config-name", "-cn", default=None, help="the config in it (default: verl's ppo_trainer)")
-    p.add_argument("--sample", type=int, default=64, help="rows of the first data.train_files file to read")
+    p.add_argument("--sample", type=int, default=64, help="rows of the first data.train_files file to read (default 64)")
     p.add_argument("--responses", default=None,
                    help="a .jsonl or .parquet of sample responses: count the answers the answer locator finds")
-    p.add_argument("--response-key", default="response", help="the responses' text field / column")
+    p.add_argument("--response-key", default="response", help="the responses' text field / column (default 'response')")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                    help="also predict the workers' memory check on GPUs of this size (GiB, e.g. 80): exit 1 if they "
                         "would stop the run")
@@ -83,15 +84,26 @@ def compose(config_path: str | None, config_name: str | None, overrides: list[st
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    if config_path is None:
-        import verl
+    import verl
 
-        config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    trainer_dir = Path(verl.__file__).parent / "trainer"
+    if config_path is None:
+        config_dir = trainer_dir / "config"
+    elif os.path.isabs(os.path.expanduser(config_path)):
+        config_dir = Path(config_path).expanduser()
     else:
-        config_dir = Path(config_path).expanduser().resolve()
+        # main_ppo's Hydra resolves a relative --config-path against the file declaring @hydra.main
+        # (verl/trainer/), not against the working directory
+        config_dir = (trainer_dir / config_path).resolve()
         if not config_dir.is_dir():
-            raise Refusal("hydra", f"--config-path {config_path}: no such folder. Give the folder that holds "
-                                   f"{config_name or 'the config'}.yaml (a recipe's: recipes/config).")
+            here = Path(config_path).resolve()
+            raise Refusal("hydra", f"--config-path {config_path}: python -m verl.trainer.main_ppo resolves a relative "
+                                   f"config path against verl's trainer folder ({trainer_dir}), not the working "
+                                   f"directory, and {config_dir} does not exist. Give an absolute path"
+                                   + (f": --config-path={here}" if here.is_dir() else "") + ".")
+    if not config_dir.is_dir():
+        raise Refusal("hydra", f"--config-path {config_path}: no such folder. Give the folder that holds "
+                               f"{config_name or 'the config'}.yaml (a recipe's: an absolute path to recipes/config).")
     name = config_name or "ppo_trainer"
     GlobalHydra.instance().clear()
     try:
