@@ -432,6 +432,11 @@ def summary(report: dict) -> str:
             continue
         text = c.get("result", {}).get("headline", "") if c["status"] == "ok" else c.get("reason", "")
         lines.append(f"  {c['status']:8s} {name:24s} {c['seconds']:7.1f} s / {c['budget_s']:3.0f} s  {text}")
+    retry = [n for n, c in report["checks"].items()
+             if c["status"] == "failed" or (c["status"] == "skipped" and c["reason"].startswith("not started"))]
+    if retry and report["finished"]:
+        out = report.get("out", "gpu_acceptance.json").removesuffix(".json")
+        lines.append(f"retry: bash scripts/gpu_acceptance.sh --only {','.join(retry)} --out {out}_retry.json")
     return "\n".join(lines) + "\n"
 
 
@@ -478,7 +483,7 @@ def main(argv=None) -> int:
         sys.argv[1:] if argv is None else argv), "tiny": args.tiny, "budget_s": args.budget_s,
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {**machine(ctx), "transformers": transformers.__version__, "torch": torch.__version__},
-        "order": names, "checks": {}, "running": None, "finished": False}
+        "out": str(args.out), "order": names, "checks": {}, "running": None, "finished": False}
     if device == "cuda" and not cuda:
         for check in CHECKS:
             report["checks"][check.name] = {"status": "skipped", "reason": "no CUDA device (use --tiny on CPU)",

@@ -10,7 +10,18 @@
 # is rewritten after every check, so a run cut short keeps what it measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
+# the first of $PYTHON, python3, python that has torch (without importing it)
+for candidate in "${PYTHON:-}" python3 python; do
+    if [ -n "$candidate" ] && command -v "$candidate" >/dev/null \
+        && "$candidate" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
+        PYTHON="$candidate"; break
+    fi
+    PYTHON=""
+done
+if [ -z "$PYTHON" ]; then
+    echo "gpu_acceptance.sh: no python with torch found (tried \$PYTHON, python3, python); set PYTHON=/path/to/python" >&2
+    exit 2
+fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 exec timeout --signal=TERM --kill-after=10 "${GPU_ACCEPTANCE_TIMEOUT:-480}" \
     "$PYTHON" benchmarks/gpu_acceptance.py "$@"
