@@ -161,7 +161,7 @@ def render_png(
     reds, diverging = colormaps["Reds"], colormaps["RdBu_r"]
 
     labels = ["token", *(l for l, _ in heat), *(l for l, _ in weights), *(l for l, _ in masks)]
-    label_chars = max(len(l) for l in labels) + 2
+    label_chars = math.ceil(max(len(l) for l in labels) * 1.2) + 2  # margin: a glyph can be wider than _CHAR_IN
     lines = [range(i, min(i + wrap, len(tokens))) for i in range(0, len(tokens), wrap)] or [range(0)]
     widths = [len(s) + _GAP for s in shown]
     line_chars = max((sum(widths[i] for i in line) for line in lines), default=10.0)
