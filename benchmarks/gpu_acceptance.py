@@ -247,7 +247,8 @@ def check_acpo(ctx: Context) -> dict:
                           f"(top-1 alone {result['top1_alone_x_logprob']}x); peak above logits "
                           f"{result['peak_mib']['top1_alone_above_logits']} MiB; err {err:.1e}")
     if not result["ok"]:
-        result["reason"] = f"top-1 log-prob wrong: max abs err {err} against fp32 log_softmax, finite {result['finite']}"
+        result["reason"] = (f"top-1 log-prob wrong: max abs err {err} against fp32 log_softmax, "
+                            f"finite {result['finite']}")
     del model, flat
     return result
 
@@ -378,7 +379,8 @@ CHECKS = [
     Check("oar_g_noise_device", 5, "Is OAR-G's noise drawn on the device the same for the same (seed, step, tokens) "
           "across batch compositions?", check_noise),
     Check("oar_cost_1.5b", 90, "OAR-G / OAR-P cost and peak memory at Qwen2.5-Math-1.5B's shape against the log-prob "
-          "pass; OAR-P batched vs per sample, chunk K=16 (target <= 4x) and hierarchical", lambda c: _cost("1.5b", 3, c)),
+          "pass; OAR-P batched vs per sample, chunk K=16 (target <= 4x) and hierarchical",
+          lambda c: _cost("1.5b", 3, c)),
     Check("acpo_top1", 20, "ACPO's top-1 log-prob at Qwen's 152k vocabulary: cost against the log-prob pass, peak "
           "memory", check_acpo),
     Check("privileged_noise_floor", 30, "CSCR/OPPO re-scoring: how far does the identity template, scored in bf16 in "
@@ -508,7 +510,8 @@ def main(argv=None) -> int:
             if only and check.name not in only:
                 entry["reason"] = "not selected (--only)"
             elif left < check.budget_s:  # budgets are an H200's seconds; a tiny run fits them too
-                entry["reason"] = f"not started: {left:.0f} s left of the {args.budget_s:.0f} s budget, it needs ~{check.budget_s:.0f} s"
+                entry["reason"] = (f"not started: {left:.0f} s left of the {args.budget_s:.0f} s budget, "
+                                   f"it needs ~{check.budget_s:.0f} s")
             else:
                 report["running"] = check.name
                 write(report, args.out)

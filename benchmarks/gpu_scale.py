@@ -23,10 +23,10 @@ and the peak GPU memory of each (``torch.cuda.max_memory_allocated`` above the m
 ``core.hf.HFRowsModel``: prompts fed once, rows of several samples and prefix lengths per call, padded in the
 middle, explicit position ids through the GPU's attention kernels) against the naive loop (one whole forward per
 copy) in float64, on a small random model in float64 / fp32 / bf16 (SDPA); ``benchmarks/gpu_acceptance.py`` adds
-flash-attention where it is installed. ``--agreement`` also compares OAR-G importance of one sequence in bf16 with fp32 (Spearman rank
-correlation and overlap of the top 10% tokens). Random weights make near-uniform predictions, so the
-agreement numbers say how much bf16 rounding moves the ranking of a random model only; the timings
-and memory do not depend on the weights.
+flash-attention where it is installed. ``--agreement`` also compares OAR-G importance of one sequence in bf16
+with fp32 (Spearman rank correlation and overlap of the top 10% tokens). Random weights make near-uniform
+predictions, so the agreement numbers say how much bf16 rounding moves the ranking of a random model only; the
+timings and memory do not depend on the weights.
 """
 
 from __future__ import annotations
@@ -210,7 +210,8 @@ def run_model(name: str, repeats: int, device: str, agreement: bool = False) -> 
     }
     for key, fn in rows_to_time.items():
         seconds, peak = measure(fn, repeats, device)
-        result[key] = {"seconds": round(seconds, 4), "peak_mib_above_weights": None if math.isnan(peak) else round(peak)}
+        result[key] = {"seconds": round(seconds, 4),
+                       "peak_mib_above_weights": None if math.isnan(peak) else round(peak)}
         print(f"[gpu_scale] {name} {key}: {seconds * 1e3:.1f} ms, peak {peak:.0f} MiB above weights", flush=True)
     base = result["logprob"]["seconds"]
     for key in rows_to_time:

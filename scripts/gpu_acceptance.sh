@@ -19,7 +19,7 @@ for candidate in "${PYTHON:-}" python3 python; do
     PYTHON=""
 done
 if [ -z "$PYTHON" ]; then
-    echo "gpu_acceptance.sh: no python with torch found (tried \$PYTHON, python3, python); set PYTHON=/path/to/python" >&2
+    echo "gpu_acceptance.sh: no python with torch (tried \$PYTHON, python3, python); set PYTHON=/path/to/python" >&2
     exit 2
 fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

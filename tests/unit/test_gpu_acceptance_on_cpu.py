@@ -70,7 +70,8 @@ def test_checks_not_run_say_why_and_verl_is_refused(tmp_path):
     out = tmp_path / "one.json"
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_acceptance as g\n"
             "try:\n    import verl.utils\nexcept ModuleNotFoundError as e:\n    print('REFUSED', e)\n"
-            "try:\n    g.main(['--tiny', '--only', 'no_such_check'])\nexcept SystemExit as e:\n    print('EXIT', e.code)\n"
+            "try:\n    g.main(['--tiny', '--only', 'no_such_check'])\n"
+            "except SystemExit as e:\n    print('EXIT', e.code)\n"
             "print('RC', g.main(['--tiny', '--only', 'oar_g_noise_device', '--out', sys.argv[1]]))\n")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -93,4 +94,5 @@ def test_a_check_that_no_longer_fits_the_budget_is_skipped_with_the_reason(tmp_p
     assert all(e["status"] == "skipped" and e["reason"].startswith("not started:") for e in report["checks"].values())
     text = out.with_suffix(".txt").read_text()
     assert "0 ok, 0 failed, 8 skipped of 8" in text
-    assert f"retry: bash scripts/gpu_acceptance.sh --only {','.join(CHECKS)} --out {tmp_path / 'none'}_retry.json" in text
+    retry = f"retry: bash scripts/gpu_acceptance.sh --only {','.join(CHECKS)} --out {tmp_path / 'none'}_retry.json"
+    assert retry in text
