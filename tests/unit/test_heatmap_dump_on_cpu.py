@@ -153,11 +153,20 @@ def test_rows_padding_rows_and_config_name(tmp_path, tokenizer_dir):
     assert not report["rows"][0]["real"] and "padding row" in report["rows"][0]["notes"][0]
 
 
+def test_the_runs_model_path_is_the_default_tokenizer(tmp_path, tokenizer_dir):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"algorithm:\n  adv_estimator: acpo\nactor_rollout_ref:\n  model:\n    path: {tokenizer_dir}\n")
+    write_dump(tmp_path / "step_3.pt", "acpo")
+    report = main(["--dump", str(tmp_path / "step_3.pt"), "--config", str(config), "--out", str(tmp_path / "out")])
+    assert report["tokenizer"] == str(tokenizer_dir) and report["config"]["estimator"] == "acpo"
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--rows", "7"], "out of range, the dump has 6 rows"),
     (["--estimators", "oar_g"], "--estimators only apply when recomputing"),
     (["--oar-p-mode", "chunk"], "--oar-p-mode only apply when recomputing"),
     (["--prompt", "x"], "--prompt only apply when recomputing"),
+    (["--temperature", "0.5", "--seed", "1"], "--temperature, --seed only apply when recomputing"),
 ])
 def test_bad_dump_arguments_exit_with_the_fix(tmp_path, tokenizer_dir, args, needle):
     write_dump(tmp_path / "step_3.pt", "cscr")

@@ -792,7 +792,7 @@ def run_dump(args, run_config: RunConfig | None) -> dict:
     from verl_oar.tools.heatmap_dump import DumpError, dump_records, load_dump, write_dump_outputs
 
     recompute_only = [_flag(d) for d in ("prompt", "response", "rollouts", "prompt_key", "response_key",
-                                         "ground_truth", "ground_truth_key", "oracle", "answer_locator",
+                                         "ground_truth", "ground_truth_key", "oracle", "temperature",
                                          *FLAG_FIELDS) if getattr(args, d, None) not in (None, "")]
     if args.estimators != DEFAULT_ESTIMATORS:
         recompute_only.append("--estimators")
