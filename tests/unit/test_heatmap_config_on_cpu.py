@@ -245,3 +245,22 @@ def test_cscr_and_oppo_take_the_runs_sections(model_dir, tmp_path):
     assert settings["algorithm.cscr.floor"] == {"value": 0.6, "source": str(config)}
     assert settings["algorithm.oppo.clip"] == {"value": 0.0001, "source": str(config)}
     assert settings["algorithm.oppo.prior"]["source"] == "training default (OPPOConfig)"
+
+
+def test_verls_own_composed_config(tmp_path):
+    """What main_ppo's Hydra writes to ``<run dir>/.hydra/config.yaml``: verl's whole composed config (saved here
+    from verl's own composition, interpolations unresolved as Hydra saves them)."""
+    import sys
+
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _verl_config import compose_ppo_config
+
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_p", "+algorithm.oar.perturb_mode=line",
+                                 "actor_rollout_ref.rollout.temperature=0.6"])
+    OmegaConf.save(config, tmp_path / "config.yaml")
+    run = read_run_config([tmp_path / "config.yaml"])
+    assert (run.adv_estimator, run.temperature) == ("oar_p", 0.6)
+    assert setting_sources(run, "oar")["perturb_mode"] == ("line", str(tmp_path / "config.yaml"))
+    assert run.model_path == config.actor_rollout_ref.model.path
