@@ -7,7 +7,8 @@ Writes one JSON (``--out``: the machine, the versions, each check's status ``ok`
 reason, seconds, budget and result) and a short text summary beside it (``.txt``), both rewritten after every check
 (and before each, naming the check in flight), so a run cut short still leaves what it measured. Checks run in order
 of value per second; one whose budget no longer fits in ``--budget-s`` is skipped with that reason, and a check that
-runs past what is left of the budget is stopped (SIGALRM) and reported failed. Exit status: 0 when no check failed.
+runs past what is left of the budget is stopped (SIGALRM) and reported failed, with the rows it had measured
+(``partial_result``). Exit status: 0 when no check failed.
 
 The checks (name: question; budget on one H200 and how it was estimated):
 
@@ -22,7 +23,9 @@ The checks (name: question; budget on one H200 and how it was estimated):
    bf16, 4 x (1024 + 3072) tokens), OAR-P batched across samples against the per-sample path, chunk K=16 and
    hierarchical, each as a ratio to the log-prob pass in the same process; the target: chunk K=16 <= 4x
    (``gpu_scale.run_model``). Estimate: benchmarks/results_gpu_scale_h200.json (log-prob 0.14 s, OAR-G 0.44 s,
-   chunk K=16 2.0 s on the per-sample path) x 4 runs per row (a warm-up + 3), hierarchical ~2x chunk: ~40 s, x2.
+   chunk K=16 2.0 s on the per-sample path) x 4 runs per row (a warm-up + 3): ~20 s; hierarchical (K=16, m=4, u=4)
+   feeds ~930k tokens per sample (docs/benchmarks.md, ~24x chunk mode), so it runs once on one of the 4 rows and
+   is scaled by 4: ~57 log-prob passes' tokens, ~10 s; + the build: ~35 s, x2.5.
 4. ``acpo_top1`` (20 s): ACPO's top-1 log-prob (``engines.fsdp.modal.top1_log_probs``) at Qwen's 151,936-token
    vocabulary over the 1.5B's log-prob budget: cost against the log-prob pass, peak memory, error against fp32
    ``log_softmax``. Estimate: one memory-bound pass over 5 GB of bf16 logits (~15 ms) beside a 0.14 s pass, 12 runs.
@@ -33,7 +36,8 @@ The checks (name: question; budget on one H200 and how it was estimated):
 6. ``memory_estimate`` (75 s): ``core.memory_estimate`` against ``torch.cuda.max_memory_allocated`` of each
    estimator's pass (tests/gpu/test_memory_estimate.py's cases, band ``BAND``). Its docstring: about a minute.
 7. ``oar_cost_7b`` (120 s): row 3 at Qwen2.5-Math-7B's shape (2 x 4096 tokens), 2 repeats. Estimate:
-   results_gpu_scale_h200.json (log-prob 0.23 s, OAR-G 0.75 s, chunk K=16 2.3 s) x 3 runs: ~35 s + a 15 GB build.
+   results_gpu_scale_h200.json (log-prob 0.23 s, OAR-G 0.75 s, chunk K=16 2.3 s) x 3 runs: ~20 s; hierarchical on
+   one row (~114 calls of the 8192-token budget at ~0.23 s): ~26 s; a 15 GB build: ~60 s, x2.
 8. ``oar_g_checkpointing`` (60 s): OAR-G's pass with and without verl's gradient checkpointing at the 1.5B's full
    shape, 4k / 8k / 16k tokens, bf16, flash-attention where installed (``benchmarks/oar_g_checkpointing.py``): peak
    against the estimate, and the importance bit for bit. Estimate: ~25 forward+backward passes of <= 16k tokens
@@ -103,6 +107,8 @@ class Context:
     tiny: bool
     attentions: tuple[str, ...]
     """attention implementations to try: sdpa, and flash_attention_2 where flash_attn is installed (CUDA)"""
+    partial: dict | None = None
+    """what the running check measured so far (a check fills it as it goes): kept when the check fails mid-way"""
 
     @property
     def cuda(self) -> bool:
@@ -194,7 +200,8 @@ def check_noise(ctx: Context) -> dict:
 
 
 def _cost(name: str, repeats: int, ctx: Context) -> dict:
-    result = gpu_scale.run_model("tiny" if ctx.tiny else name, 1 if ctx.tiny else repeats, ctx.device)
+    result = gpu_scale.run_model("tiny" if ctx.tiny else name, 1 if ctx.tiny else repeats, ctx.device,
+                                 hierarchical_rows=1, out=ctx.partial)
     result["oar_p_per_sample_over_batched"] = round(
         result["oar_p_chunk16_per_sample"]["seconds"] / result["oar_p_chunk16"]["seconds"], 2)
     result["ok"] = ctx.tiny or result["target"]["met"]
@@ -519,6 +526,7 @@ def main(argv=None) -> int:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.monotonic()
+                ctx.partial = {}
                 signal.alarm(max(1, int(left)))
                 try:
                     result = _jsonable(check.run(ctx))
@@ -538,6 +546,8 @@ def main(argv=None) -> int:
                                  traceback=traceback.format_exc(limit=-8))
                 finally:
                     signal.alarm(0)
+                if entry["status"] == "failed" and "result" not in entry and ctx.partial:
+                    entry["partial_result"] = _jsonable(ctx.partial)  # the rows measured before it stopped
                 entry["seconds"] = round(time.monotonic() - t0, 2)
                 if cuda:
                     entry["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

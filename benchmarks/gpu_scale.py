@@ -157,11 +157,13 @@ def oar_p_per_sample(model, ids, reasoning, predict, budget_tokens: int):
             for b in range(ids.shape[0])]
 
 
-def measure(fn, repeats: int, device: str) -> tuple[float, float]:
-    """(median seconds, peak MiB allocated above what was allocated before) of ``fn``."""
+def measure(fn, repeats: int, device: str, warm: bool = True) -> tuple[float, float]:
+    """(median seconds, peak MiB allocated above what was allocated before) of ``fn`` over ``repeats`` runs, after
+    one untimed run (``warm``: cuBLAS workspaces, kernel selection; skip it when an earlier row ran the same kernels)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    sync()
+    if warm:
+        fn()
+        sync()
     samples = []
     base = torch.cuda.memory_allocated() if device == "cuda" else 0
     if device == "cuda":
@@ -187,35 +189,47 @@ def top_overlap(a: torch.Tensor, b: torch.Tensor, frac: float = 0.1) -> float:
     return len(set(a.topk(k).indices.tolist()) & set(b.topk(k).indices.tolist())) / k
 
 
-def run_model(name: str, repeats: int, device: str, agreement: bool = False) -> dict:
+def run_model(name: str, repeats: int, device: str, agreement: bool = False, hierarchical_rows: int | None = None,
+              out: dict | None = None) -> dict:
     """Every row of the module docstring for one shape ("1.5b", "7b", "tiny"): seconds, peak MiB above the
-    weights and ``x_logprob``; ``target``: OAR-P chunk K=16 at most ``TARGET_X_LOGPROB`` log-prob passes."""
+    weights and ``x_logprob``; ``target``: OAR-P chunk K=16 at most ``TARGET_X_LOGPROB`` log-prob passes.
+
+    ``hierarchical_rows``: time hierarchical mode once (no warm-up: the chunk rows ran its kernels) on the first
+    that many rows and scale its seconds by rows / that (its copies fill the calls on their own: ~930k tokens fed
+    per 4k-token sample, ~24x chunk mode's; ``seconds_measured`` and ``measured_rows`` say what ran). ``out``: the
+    dict to fill (row by row, so a caller stopped mid-way keeps the rows done); returned."""
     shape = SHAPES[name]
     prompt, response = (16, 48) if name == "tiny" else (PROMPT, RESPONSE)
     rows = max(1, shape["budget"] // (prompt + response))
+    result = out if out is not None else {}
     print(f"[gpu_scale] {name}: building (bf16, {device})", flush=True)
     model = build(shape, torch.bfloat16, device)
     weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     data = batch(rows, prompt, response, shape["vocab_size"], device)
     ids, reasoning, predict, targets, segment = data
-    result = {"rows": rows, "tokens_per_row": prompt + response, "weights_mib": round(weights_mib),
-              "repeats": repeats}
+    h = min(rows, hierarchical_rows or rows)
+    result.update({"rows": rows, "tokens_per_row": prompt + response, "weights_mib": round(weights_mib),
+                   "repeats": repeats})
     rows_to_time = {
         "logprob": lambda: logprob_pass(model, ids),
         "oar_g_fused": lambda: oar_g(model, *data, objective="noisy_kl"),
         "oar_g_loglik_fused": lambda: oar_g(model, *data, objective="loglik"),
         "oar_p_chunk16": lambda: oar_p(model, ids, reasoning, predict, shape["budget"]),
         "oar_p_chunk16_per_sample": lambda: oar_p_per_sample(model, ids, reasoning, predict, shape["budget"]),
-        "oar_p_hierarchical": lambda: oar_p(model, ids, reasoning, predict, shape["budget"], mode="hierarchical"),
+        "oar_p_hierarchical": lambda: oar_p(model, ids[:h], reasoning[:h], predict[:h], shape["budget"],
+                                            mode="hierarchical"),
     }
     for key, fn in rows_to_time.items():
-        seconds, peak = measure(fn, repeats, device)
-        result[key] = {"seconds": round(seconds, 4),
-                       "peak_mib_above_weights": None if math.isnan(peak) else round(peak)}
-        print(f"[gpu_scale] {name} {key}: {seconds * 1e3:.1f} ms, peak {peak:.0f} MiB above weights", flush=True)
-    base = result["logprob"]["seconds"]
-    for key in rows_to_time:
-        result[key]["x_logprob"] = round(result[key]["seconds"] / base, 2)
+        once = key == "oar_p_hierarchical" and hierarchical_rows is not None
+        seconds, peak = measure(fn, 1 if once else repeats, device, warm=not once)
+        row = {"seconds": round(seconds * (rows / h if key == "oar_p_hierarchical" else 1), 4),
+               "peak_mib_above_weights": None if math.isnan(peak) else round(peak)}
+        if key == "oar_p_hierarchical" and h < rows:
+            row.update(seconds_measured=round(seconds, 4), measured_rows=h, runs=1 if once else repeats)
+        row["x_logprob"] = round(row["seconds"] / result["logprob"]["seconds"], 2) if key != "logprob" else 1.0
+        result[key] = row
+        print(f"[gpu_scale] {name} {key}: {row['seconds'] * 1e3:.1f} ms ({row['x_logprob']}x log-prob), "
+              f"peak {peak:.0f} MiB above weights", flush=True)
     result["target"] = {"oar_p_chunk16_x_logprob_at_most": TARGET_X_LOGPROB,
                         "met": result["oar_p_chunk16"]["x_logprob"] <= TARGET_X_LOGPROB}
     if agreement and name != "7b":
