@@ -159,7 +159,8 @@ def oar_p_per_sample(model, ids, reasoning, predict, budget_tokens: int):
 
 def measure(fn, repeats: int, device: str, warm: bool = True) -> tuple[float, float]:
     """(median seconds, peak MiB allocated above what was allocated before) of ``fn`` over ``repeats`` runs, after
-    one untimed run (``warm``: cuBLAS workspaces, kernel selection; skip it when an earlier row ran the same kernels)."""
+    one untimed run (``warm``: cuBLAS workspaces, kernel selection; skip it when an earlier row ran the same
+    kernels)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if warm:
         fn()
