@@ -5,7 +5,7 @@
 #
 # which runs
 #
-#   python3 -m verl.trainer.main_ppo --config-path=recipes/config --config-name=<recipe> \
+#   python3 -m verl.trainer.main_ppo --config-path=<absolute path of recipes/config> --config-name=<recipe> \
 #       data.train_files=$DATA_DIR/train.parquet data.val_files=[...] \
 #       trainer.nnodes=$NNODES trainer.n_gpus_per_node=$GPUS_PER_NODE [overrides...]
 #
