@@ -129,10 +129,6 @@ class Check:
     """returns the result: ``ok`` (bool, False: failed with ``reason``) and ``headline`` (one line)"""
 
 
-def _mib(n: float) -> float:
-    return round(n / 2**20, 1)
-
-
 # ---------------------------------------------------------------------------------------------------------- checks
 
 
