@@ -24,22 +24,28 @@ Methods: ``grpo``, ``oar_g``, ``oar_p`` (exact mode, as the testbed runs it) and
 package's default chunk mode, K=16). CSCR, OPPO, ACPO and CoDaPO need signals or samplers of their own (a teacher,
 modal log-probs, CoDaSampling): they stop at start-up with the main_ppo command to use instead.
 
-Where it differs from main_ppo (measured in tests/unit/test_fast_runner_on_cpu.py and the curve comparison):
+Where it differs from main_ppo, and what that changes (tests/unit/test_fast_runner_on_cpu.py,
+benchmarks/results_fast_runner_speed_cpu.json):
 
-- row order: main_ppo trains a step's rows in the order their rollouts finished (different in any two main_ppo
-  runs); this runner in content order, then verl's balancing, as main_ppo with the tests' content-ordered sampler.
-  The rows' order changes float rounding in the update (and OAR-G's importance by ~3e-5 relative), so main_ppo's
-  own runs are not bit-reproducible after step 1 either;
-- step 1's rollout is bit-identical to main_ppo's (same sampler, seeds, weights and one batch per burst: the same
-  multiset of (prompt, response) pairs; which of a prompt's n sessions gets which response is arrival order in
-  main_ppo); step 1's advantages, importance and update match main_ppo given the same rows in the same order
-  (tests); from step 2 on the trajectories diverge from any main_ppo run by that rounding, which can flip a
-  sampled token near a boundary of its cumulative distribution and then whole responses;
+- nothing in step 1: its rollouts are main_ppo's bit for bit (the same sampler, seeds, weights, and the step's
+  requests as one batch: the same multiset of (prompt, response) pairs), and on main_ppo's dumped step-1 batch (its
+  rows in its order) the runner's importance, advantages, ``actor/pg_loss``, ``actor/grad_norm`` and
+  ``actor/entropy`` are main_ppo's bit for bit (OAR-G, OAR-P; GRPO's on another row order within 1e-6);
+- row order: main_ppo trains a step's rows in the order their rollouts finished (it differs between two main_ppo
+  runs); this runner in content order (prompt ids, response ids), then verl's balancing, as main_ppo with the tests'
+  content-ordered sampler. Row order can change float rounding in the update's sums (and OAR-G's importance, by
+  ~3e-5 relative, tests/e2e/test_resume_on_cpu.py), so from step 2 on the weights may differ from a given main_ppo
+  run's at rounding level; a sampled token changes only if its uniform draw falls within that rounding of a
+  boundary of its cumulative distribution. Observed against the committed long run (main_ppo, 5 seeds x 24 steps):
+  GRPO and OAR-G reproduced exactly (training reward and held-out accuracy at every point); OAR-P from step 6-11
+  on differs, as two main_ppo runs of it do (the long run and a current main_ppo run of seed 0 differ from step 4):
+  exact OAR-P importance moves by ~1e-7 with the row order (copies of several rows share a model call) and the
+  reshaping of a row whose importance is nearly flat turns that into advantages ~1e-3 apart at step 1; over the 5
+  seeds the mean reward difference is -0.001, 95% interval [-0.013, +0.008];
 - the actor's engine is built with role ``actor`` (main_ppo: ``actor_rollout``, whose rollout side is the hf
   adapter that this process replaces by sending the engine's weights to the server directly); no reference
-  model (the testbed runs without a KL loss); validation and training samples get deterministic uids instead of
-  uuid4s (they only group); metrics of Ray/TransferQueue internals (off-policy staleness, throughput) are not
-  written;
+  model (the testbed runs without a KL loss); samples get deterministic uids instead of uuid4s (they only group);
+  metrics of Ray/TransferQueue internals (off-policy staleness, throughput, per-token timings) are not written;
 - a reward that returns the graded answer's span (``answer_span``) and importance under the reference model are
   refused (main_ppo carries them; the testbed uses neither).
 """
