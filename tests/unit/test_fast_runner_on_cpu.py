@@ -236,6 +236,28 @@ def test_cli_run_writes_verls_metric_file_that_the_comparison_reads(fresh_proces
     assert '"reward"' in stdout
 
 
+def test_methods_run_with_the_overrides_main_ppo_gets():
+    from verl_oar.testbed.fast_runner import METHODS, neutral_token_id, overrides_of
+    from verl_oar.testbed.training_runs import RunSettings, run_overrides
+    from verl_oar.testbed.workspace import committed_testbed
+
+    bed, settings = committed_testbed(), RunSettings(steps=24)
+    neutral = neutral_token_id(bed)
+    assert neutral == 32  # a space in the byte tokenizer (testbed.quality's neutral token)
+    for method in ("grpo", "oar_g", "oar_p"):
+        want = run_overrides(bed, method, 3, settings, neutral_id=neutral, name=f"{method}_seed3",
+                             val_file=bed.val_file)
+        assert overrides_of(bed, method, 3, settings, val_file=bed.val_file) == want
+    chunk = overrides_of(bed, "oar_p_chunk16", 3, settings, val_file=bed.val_file)
+    exact = run_overrides(bed, "oar_p", 3, settings, neutral_id=neutral, name="oar_p_chunk16_seed3",
+                          val_file=bed.val_file)
+    assert set(exact) - set(chunk) == {"+algorithm.oar.perturb_mode=exact"}
+    assert set(chunk) - set(exact) == {"+algorithm.oar.perturb_mode=chunk", "+algorithm.oar.perturb_budget=16"}
+    assert set(METHODS) == {"grpo", "oar_g", "oar_p", "oar_p_chunk16"}
+    oar = _config("oar_p_chunk16").algorithm.oar
+    assert (oar.perturb_mode, oar.perturb_budget, oar.perturb_token_id, oar.seed) == ("chunk", 16, 32, 0)
+
+
 def test_refusals_name_the_cause_and_main_ppo(tmp_path, capsys):
     from verl_oar.testbed.fast_actor import prepare_process
     from verl_oar.testbed.fast_runner import load_bed, overrides_of, parse_args
