@@ -53,7 +53,9 @@ __all__ = [
     "Testbed",
     "TestbedSpec",
     "build_testbed",
+    "check_spec",
     "committed_testbed",
+    "context_tokens",
     "copy_testbed",
     "is_right",
     "max_response_tokens",
@@ -102,12 +104,29 @@ class TestbedSpec:
     warm_start_lr: float = 3e-3
     stats_samples: int = 64
     """val prompts sampled (temperature 1) and decoded greedily for the statistics in testbed.json"""
+    init_from: str = ""
+    """"": the warm start begins from a fresh model; else the fingerprint of the committed start
+    (``testbed/start``), whose model begins it (the long-filler variants, ``testbed.variants``: the
+    start already picks and copies, the warm start then teaches the longer gaps)"""
+
+    def record(self) -> dict:
+        """The spec as testbed.json and the fingerprint record it: every field, except those added after
+        version 3 (``init_from``) while at their default, so the committed start's record and
+        fingerprint are what they were."""
+        fields = asdict(self)
+        for name in _ADDED_AFTER_V3:
+            if fields[name] == TestbedSpec.__dataclass_fields__[name].default:
+                del fields[name]
+        return fields
 
     def fingerprint(self) -> str:
         import hashlib
 
-        payload = json.dumps({"spec": asdict(self), "version": TESTBED_VERSION}, sort_keys=True).encode()
+        payload = json.dumps({"spec": self.record(), "version": TESTBED_VERSION}, sort_keys=True).encode()
         return hashlib.sha256(payload + reward_source().encode()).hexdigest()[:16]
+
+
+_ADDED_AFTER_V3 = ("init_from",)
 
 
 @dataclass(frozen=True)
@@ -277,6 +296,26 @@ def max_response_tokens(spec: TestbedSpec) -> int:
     return (spec.pairs + 1) * gap + spec.pairs * 2 + answer + 1 + 16
 
 
+def context_tokens(spec: TestbedSpec, tokenizer=None) -> int:
+    """Longest prompt (chat template, every prompt of ``spec.pairs`` single digits has the same length)
+    plus :func:`max_response_tokens`: the positions a rollout or a warm-start example can reach."""
+    tokenizer = tokenizer or build_tokenizer()
+    prompt = PickMaxProblem(((1, 2),) * spec.pairs, "").prompt
+    return len(chat_prompt_ids(tokenizer, prompt)) + max_response_tokens(spec)
+
+
+def check_spec(spec: TestbedSpec, tokenizer=None) -> None:
+    """Refuse a spec whose longest prompt + response does not fit ``max_position_embeddings`` (the
+    rollout would cut responses at the model's context: no answer, reward 0), naming the fix."""
+    needed = context_tokens(spec, tokenizer)
+    if needed > spec.max_position_embeddings:
+        raise ValueError(
+            f"pick_max testbed: a prompt of {spec.pairs} pairs plus a response of {max_response_tokens(spec)} tokens "
+            f"({spec.filler_words} filler words of {spec.word_length} letters per gap) needs {needed} positions, but "
+            f"max_position_embeddings is {spec.max_position_embeddings}; raise max_position_embeddings to at least "
+            f"{needed} (or lower filler_words / pairs)")
+
+
 def sample_statistics(model, tokenizer, problems: Sequence[PickMaxProblem], spec: TestbedSpec) -> dict:
     """Per problem one sampled (temperature 1) and one greedy response. Returns {"samples",
     "sampled_accuracy", "greedy_accuracy", "answer_rate" (sampled responses with a boxed answer),
@@ -340,11 +379,38 @@ def is_right(text: str, problem: PickMaxProblem) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
+_SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def initial_model(spec: TestbedSpec, tokenizer):
+    """The model the warm start begins from: fresh (``cpu.workspace.new_tiny_model``), or with
+    ``spec.init_from`` the committed start's weights in a model of ``spec``'s context (RoPE has no
+    position parameters: a longer ``max_position_embeddings`` takes the same weights)."""
+    model = new_tiny_model(spec, tokenizer)
+    if not spec.init_from:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    start = committed_testbed()
+    if start.manifest["fingerprint"] != spec.init_from:
+        raise ValueError(f"pick_max testbed: init_from={spec.init_from} names a start that is not the committed one "
+                         f"({start.manifest['fingerprint']} in {start.root}); set init_from to the committed start's "
+                         f"fingerprint and rebuild (testbed.variants does so: python -m verl_oar.testbed.variants NAME --force)")
+    differs = [f"{k} {getattr(start.spec, k)} vs {getattr(spec, k)}" for k in _SHAPE if getattr(start.spec, k) != getattr(spec, k)]
+    if differs:
+        raise ValueError(f"pick_max testbed: init_from needs the start's model shape; differs in {', '.join(differs)}: "
+                         f"use the start's shape or init_from=''")
+    weights = AutoModelForCausalLM.from_pretrained(start.model_dir, dtype="float32").state_dict()
+    model.load_state_dict(weights)
+    return model
+
+
 def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None, *, force: bool = False) -> Testbed:
     """Build (or reuse, same fingerprint) the pick_max testbed in ``directory``; return its paths."""
     import torch
 
     spec = spec or TestbedSpec()
+    check_spec(spec)
     root = Path(directory).expanduser().resolve()
     fingerprint = spec.fingerprint()
     with build_lock(root):
@@ -366,7 +432,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
         (root / "reward.py").write_text(reward_source())
 
         with all_cpu_threads():
-            model = new_tiny_model(spec, tokenizer)
+            model = initial_model(spec, tokenizer)
             warm = warm_start(model, tokenizer, train, spec)
             stats = sample_statistics(model, tokenizer, val[: spec.stats_samples], spec)
             warm["torch_threads"] = torch.get_num_threads()
@@ -376,7 +442,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
         manifest = {
             "fingerprint": fingerprint,
             "version": TESTBED_VERSION,
-            "spec": asdict(spec),
+            "spec": spec.record(),
             "num_parameters": sum(p.numel() for p in model.parameters()),
             "n_train": len(train),
             "n_val": len(val),
