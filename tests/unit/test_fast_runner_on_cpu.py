@@ -284,6 +284,13 @@ def test_refusals_name_the_cause_and_main_ppo(tmp_path, capsys):
                                           val_file=bed.val_file))
     with pytest.raises(NotImplementedError, match="main_ppo"):
         FastTrainer(config)
+    from omegaconf import open_dict
+
+    config = _config("grpo")
+    with open_dict(config):
+        config.actor_rollout_ref.actor.use_kl_loss = True  # needs the reference model the runner does not build
+    with pytest.raises(NotImplementedError, match="reference model"):
+        FastTrainer(config)
     import verl  # noqa: F401  (imported without the cpu platform, as in this test process)
 
     saved = os.environ.pop("VERL_PLATFORM", None)

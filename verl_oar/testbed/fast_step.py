@@ -47,7 +47,12 @@ class FastTrainer:
     """verl's sync trainer's step and validation on an in-process actor and rollout (module docstring)."""
 
     def __init__(self, config) -> None:
+        from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
         self.config = config
+        if need_reference_policy(config) or need_critic(config):
+            raise NotImplementedError(UNSUPPORTED.format(
+                what="a reference model (actor.use_kl_loss, algorithm.use_kl_in_reward) or a critic"))
         self.providers, self.importance, self.guards = signal_providers(config)
         oar = config.algorithm.get("oar", None) or {}
         self.rollout = Rollout(config)
