@@ -20,6 +20,7 @@ in the order OAR-G's run trained them, which differs from GRPO's run's order: fl
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -45,7 +46,6 @@ def make_fixture(out_dir: str | Path) -> Path:
     from verl_oar.testbed.machine import machine_info
     from verl_oar.testbed.training_runs import make_runs, run_all
     from verl_oar.testbed.workspace import committed_testbed, copy_testbed
-    import os
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
