@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # ACPO (advantages reweighted per token by a surrogate entropy, asymmetric by outcome; no extra pass) | Qwen2.5-Math-1.5B | FSDP2
+# Where checked: never run on a GPU; a shrunk CPU copy trains through this script in the tests. Hardware: 80 GB GPUs, 1 node x 8 by default (NNODES, GPUS_PER_NODE).
 # Settings, hardware and memory assumptions: recipes/config/qwen2_5_math_1_5b_acpo.yaml. Environment: recipes/launch.sh.
 # Usage: bash recipes/run_qwen2_5_math_1_5b_acpo.sh [hydra overrides...]
 exec bash "$(dirname "$0")/launch.sh" qwen2_5_math_1_5b_acpo "$@"

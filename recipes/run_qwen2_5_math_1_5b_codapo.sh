@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # CoDaPO (question value from confidence and difficulty x GRPO; every batch used twice, CoDaSampling) | Qwen2.5-Math-1.5B | FSDP2
+# Where checked: never run on a GPU; a shrunk CPU copy trains through this script in the tests. Hardware: 80 GB GPUs, 1 node x 8 by default (NNODES, GPUS_PER_NODE).
 # Settings, hardware and memory assumptions: recipes/config/qwen2_5_math_1_5b_codapo.yaml. Environment: recipes/launch.sh.
 # Usage: bash recipes/run_qwen2_5_math_1_5b_codapo.sh [hydra overrides...]
 exec bash "$(dirname "$0")/launch.sh" qwen2_5_math_1_5b_codapo "$@"
