@@ -85,7 +85,8 @@ VARIANTS: dict[str, Variant] = {
         _variant("fill8", "8 filler words per gap: 49 non-causal tokens per pick",
                  filler_words=8, init_from=START.fingerprint(), warm_start_steps=1000),
         _variant("fill32", "32 filler words per gap: 193 non-causal tokens per pick",
-                 filler_words=32, max_position_embeddings=512, init_from=START.fingerprint(), warm_start_steps=1200),
+                 filler_words=32, max_position_embeddings=512, init_from=START.fingerprint(), warm_start_steps=2400,
+                 warm_start_batch_size=16),
     )
 }
 """every variant by name, shortest first"""
