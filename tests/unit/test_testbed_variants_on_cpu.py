@@ -172,3 +172,21 @@ def _problem(row):
     from verl_oar.testbed.pick_max import PickMaxProblem
 
     return PickMaxProblem(tuple(tuple(int(d) for d in pair) for pair in row["pairs"]), "")
+
+
+def test_the_build_command_lists_variants_and_leaves_the_committed_start_alone(capsys, monkeypatch):
+    from verl_oar.testbed.variants.__main__ import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test, whatever main sets
+
+    main(["--list"])
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["name"] for row in listed] == NAMES
+    assert listed[0]["fingerprint"] == read_manifest(COMMITTED, "testbed.json")["fingerprint"]
+    with pytest.raises(SystemExit):
+        main(["fill2"])
+    assert "fill2 is the committed start; rebuild it with OMP_NUM_THREADS=1 python -m verl_oar.testbed.workspace " \
+           "verl_oar/testbed/start --force" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fill9"])
+    assert "no pick_max variant 'fill9'" in capsys.readouterr().err

@@ -16,7 +16,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the warm start (committed: 1)")
     parser.add_argument("--list", action="store_true", help="print every variant's spec facts and exit")
     args = parser.parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by cpu.workspace.all_cpu_threads during the build
 
     from verl_oar.testbed.variants import VARIANTS, build_variant, describe, variant
 
@@ -30,6 +29,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         parser.error(str(error))
     if args.out is None and v.name == "fill2":
         parser.error(f"fill2 is the committed start; rebuild it with {v.build_command}, or pass --out DIR")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by cpu.workspace.all_cpu_threads during the build
     bed = build_variant(v.name, args.out, force=args.force)
     print(json.dumps(bed.manifest, indent=2))
     return bed.manifest
