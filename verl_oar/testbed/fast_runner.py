@@ -70,6 +70,12 @@ METHODS = {
     "oar_g": ("oar_g", {}),
     "oar_p": ("oar_p", {}),
     "oar_p_chunk16": ("oar_p", {"perturb_mode": "chunk", "perturb_budget": 16}),
+    # OAR-G's ablations and tau (docs/study.md, H3 and H4)
+    "oar_g_no_amplify": ("oar_g", {"amplify": "false"}),
+    "oar_g_no_suppress": ("oar_g", {"suppress": "false"}),
+    "oar_g_no_preserve_mass": ("oar_g", {"preserve_mass": "false"}),
+    "oar_g_tau0.25": ("oar_g", {"tau": 0.25}),
+    "oar_g_tau0.75": ("oar_g", {"tau": 0.75}),
 }
 """runner method -> (the testbed method whose overrides it takes, ``algorithm.oar`` keys changed)"""
 
