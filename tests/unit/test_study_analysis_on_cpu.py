@@ -1,0 +1,114 @@
+"""The study's pre-registered analysis (verl_oar/testbed/study_analysis.py) on hand-built runs whose answers are
+worked out by hand here: endpoints, the tuning rule and its tie-breaks, the evaluation length rule, the paired
+comparison and the verdict rules."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from verl_oar.testbed import study_analysis as sa
+
+
+def _curve(reach: int | None, steps: int) -> list[float]:
+    """A reward curve whose trailing-3 mean first reaches 0.8 at step ``reach`` (None: never)."""
+    if reach is None:
+        return [0.5] * steps
+    return [0.5] * (reach - 3) + [0.9] * (steps - reach + 3)
+
+
+def _run(phase, task, method, lr, seed, reach, steps=32, auc=0.5):
+    return {"phase": phase, "task": task, "method": method, "lr": lr, "seed": seed,
+            "reward": _curve(reach, steps), "val_accuracy": {"0": auc, str(steps): auc}}
+
+
+def test_endpoints_reached_censored_and_crashed():
+    assert sa.run_endpoints(_run("t", "x", "m", 1, 0, 7), 32)["steps"] == 7
+    never = sa.run_endpoints(_run("t", "x", "m", 1, 0, None), 32)
+    assert never["steps"] == 33 and never["censored"]
+    crashed = sa.run_endpoints({"error": "boom"}, 24)
+    assert crashed["steps"] == 25 and crashed["censored"] and crashed["error"] and math.isnan(crashed["auc"])
+
+
+def test_tuning_picks_lowest_mean_steps_then_auc_then_smaller_rate():
+    runs = []
+    for seed in range(1000, 1005):
+        runs += [_run("tuning", "fill2", "grpo", 0.001, seed, 12), _run("tuning", "fill2", "grpo", 0.002, seed, 9),
+                 _run("tuning", "fill2", "grpo", 0.004, seed, None)]
+        # oar_g: 0.001 and 0.002 tie on steps; 0.002 has the higher AUC
+        runs += [_run("tuning", "fill2", "oar_g", 0.001, seed, 8, auc=0.6),
+                 _run("tuning", "fill2", "oar_g", 0.002, seed, 8, auc=0.7)]
+        # oar_p: full tie -> the smaller rate
+        runs += [_run("tuning", "fill2", "oar_p", 0.001, seed, 10), _run("tuning", "fill2", "oar_p", 0.004, seed, 10)]
+    tuned = sa.tune(runs, "fill2")
+    assert tuned["grpo"]["lr"] == 0.002 and tuned["grpo"]["grid"]["0.004"]["censored"] == 5
+    assert tuned["oar_g"]["lr"] == 0.002
+    assert tuned["oar_p"]["lr"] == 0.001
+    assert sa.eval_steps(tuned) == 20  # 2 x 9 = 18 -> 20
+
+
+@pytest.mark.parametrize("median,expected", [(3, 12), (9, 20), (10, 20), (11, 24), (40, 64)])
+def test_eval_steps_rule(median, expected):
+    tuning = {"grpo": {"lr": 0.001, "grid": {"0.001": {"steps": [median] * 5}}}}
+    assert sa.eval_steps(tuning) == expected
+
+
+def test_relative_change_matches_a_hand_computation_and_a_plain_bootstrap():
+    rng = random.Random(3)
+    seeds = list(range(2000, 2020))
+    base_steps = {s: rng.randint(8, 20) for s in seeds}
+    meth_steps = {s: max(4, base_steps[s] - rng.randint(0, 6)) for s in seeds}
+    base = {s: _run("eval", "x", "grpo", 1, s, base_steps[s], steps=24) for s in seeds}
+    meth = {s: _run("eval", "x", "oar_g", 1, s, meth_steps[s], steps=24) for s in seeds}
+    c = sa.compare_cells(meth, base, level=sa.H1_LEVEL)
+    mb, mm = sum(base_steps.values()) / 20, sum(meth_steps.values()) / 20
+    assert c["relative_steps"]["estimate"] == pytest.approx((mm - mb) / mb, abs=1e-12)
+    # the same resampling rule written out plainly
+    r = random.Random(sa.RNG_SEED)
+    values = []
+    for _ in range(sa.RESAMPLES):
+        idx = [r.randrange(20) for _ in range(20)]
+        b = sum(base_steps[seeds[i]] for i in idx) / 20
+        values.append((sum(meth_steps[seeds[i]] for i in idx) / 20 - b) / b)
+    values.sort()
+    a = (1 - sa.H1_LEVEL) / 2
+    assert c["relative_steps"]["low"] == values[math.floor(a * (len(values) - 1))]
+    assert c["relative_steps"]["high"] == values[math.ceil((1 - a) * (len(values) - 1))]
+    assert c["relative_steps"]["level"] == pytest.approx(1 - 0.05 / 9)
+
+
+def test_verdict_rules():
+    assert sa.h1_verdict({"low": -0.4, "high": -0.05}) == "supported"
+    assert sa.h1_verdict({"low": -0.1, "high": 0.2}) == "not supported"  # excludes -18%
+    assert sa.h1_verdict({"low": -0.3, "high": 0.1}) == "inconclusive"
+    assert sa.h1_verdict({"low": None, "high": None}) == "inconclusive"
+    assert sa.h2_verdict({"low": 0.3, "high": 0.9}) == "supported"
+    assert sa.h2_verdict({"low": 0.7, "high": 1.4}) == "not supported"
+    assert sa.h2_verdict({"low": 0.5, "high": 1.2}) == "inconclusive"
+
+
+def test_analyse_task_compares_each_method_at_its_tuned_rate_and_grpo_at_every_rate():
+    runs = []
+    for seed in range(1000, 1005):
+        for lr, reach in ((0.001, 10), (0.002, 8)):
+            runs += [_run("tuning", "fill2", "grpo", lr, seed, reach), _run("tuning", "fill2", "oar_g", lr, seed, reach + 1)]
+    for seed in range(2000, 2006):
+        for lr, reach in ((0.001, 10), (0.002, 8)):
+            runs.append(_run("eval", "fill2", "grpo", lr, seed, reach + seed % 2, steps=16))
+        runs.append(_run("eval", "fill2", "oar_g", 0.002, seed, 6 + seed % 3, steps=16))
+    out = sa.analyse_task(runs, "fill2")
+    assert out["eval_steps"] == 16
+    c = out["comparisons"]["oar_g"]
+    assert c["lr"] == 0.002 and c["baseline_lr"] == 0.002 and c["seeds"] == list(range(2000, 2006))
+    # GRPO at 0.002 reaches at 8 (even seeds) / 9 (odd); oar_g at 6, 7, 8 by seed % 3: mean 7 vs 8.5
+    assert c["relative_steps"]["estimate"] == pytest.approx((7 - 8.5) / 8.5)
+    assert c["h1_verdict"] in ("supported", "not supported", "inconclusive")
+    assert set(out["against_every_grpo_rate"]["oar_g"]) == {"0.001", "0.002"}
+
+
+def test_mismatched_run_lengths_in_a_cell_are_refused():
+    cell = {1: _run("eval", "x", "grpo", 1, 1, 5, steps=16), 2: _run("eval", "x", "grpo", 1, 2, 5, steps=20)}
+    with pytest.raises(ValueError, match="differ in length"):
+        sa._phase_steps(cell)

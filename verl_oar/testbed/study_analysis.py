@@ -1,0 +1,197 @@
+"""The study's pre-registered analysis (docs/study.md, "Endpoints" and "Analysis") over its results JSON.
+
+Input: the JSON written by ``benchmarks/study.py collect``: ``runs``, each ``{phase, task, method, lr, seed,
+reward: [per-step training reward], val_accuracy: {step: greedy held-out accuracy}}`` or ``{..., error}``.
+Plain Python; every number of the study's tables comes from :func:`analyse`.
+
+Per run: ``steps`` = first step whose trailing 3-step mean training reward reaches 0.8, else the run's steps + 1
+(censored; a crashed run is censored too); ``auc`` = trapezoid mean of held-out accuracy over training; ``final`` =
+the last held-out accuracy.
+
+Per task: the tuned rate of each method (lowest mean steps over the tuning seeds, ties to the higher mean AUC, then
+the smaller rate), the evaluation length (twice tuned GRPO's median steps, rounded up to a multiple of 4, within
+[12, 64]), and on the evaluation seeds each method at its tuned rate against GRPO at its tuned rate: the relative
+change of mean steps with a paired bootstrap interval (Bonferroni level for the H1 family, 95% otherwise), the AUC
+and final differences, the across-seed standard-deviation ratios and the censored fraction; the same primary
+effect against GRPO at every grid rate (the step-size alternative).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+from verl_oar.testbed.measures import bootstrap, curve_auc, paired_bootstrap, steps_to_threshold_censored
+
+THRESHOLD, WINDOW = 0.8, 3
+RESAMPLES, RNG_SEED = 10000, 0
+H1_METHODS = ("oar_g", "oar_p_chunk16", "oar_p")
+"""the OAR methods of H1's family (x 3 tasks = 9 comparisons)"""
+H1_FAMILY = 9
+H1_LEVEL = 1 - 0.05 / H1_FAMILY
+PAPER_H1 = -0.18
+"""the paper's smallest claimed relative change of steps (18% fewer)"""
+PAPER_H2 = 0.6
+"""the paper's claimed standard-deviation ratio (about 40% lower)"""
+BASELINE = "grpo"
+
+
+def run_endpoints(run: Mapping, steps: int) -> dict:
+    """One run's endpoints; ``steps``: the phase's run length (a crashed run counts ``steps + 1``, censored)."""
+    if "error" in run:
+        return {"steps": float(steps + 1), "censored": True, "auc": math.nan, "final": math.nan, "error": True}
+    reached, censored = steps_to_threshold_censored(run["reward"], THRESHOLD, WINDOW)
+    points = sorted((int(s), float(v)) for s, v in run["val_accuracy"].items())
+    return {"steps": reached, "censored": censored, "auc": curve_auc(points), "final": points[-1][1], "error": False}
+
+
+def _cells(runs: Sequence[Mapping], phase: str, task: str) -> dict[tuple[str, float], dict[int, Mapping]]:
+    out: dict[tuple[str, float], dict[int, Mapping]] = {}
+    for r in runs:
+        if r["phase"] == phase and r["task"] == task:
+            out.setdefault((r["method"], float(r["lr"])), {})[int(r["seed"])] = r
+    return out
+
+
+def _phase_steps(cell: Mapping[int, Mapping]) -> int:
+    lengths = {len(r["reward"]) for r in cell.values() if "error" not in r}
+    if len(lengths) != 1:
+        raise ValueError(f"runs of one cell differ in length or all crashed: {sorted(lengths)}")
+    return lengths.pop()
+
+
+def tune(runs: Sequence[Mapping], task: str) -> dict[str, dict]:
+    """Per method: every grid rate's mean steps / mean AUC on the tuning seeds and the chosen rate."""
+    by_method: dict[str, dict[float, dict]] = {}
+    for (method, lr), cell in _cells(runs, "tuning", task).items():
+        steps = _phase_steps(cell)
+        ends = [run_endpoints(cell[s], steps) for s in sorted(cell)]
+        by_method.setdefault(method, {})[lr] = {
+            "seeds": sorted(cell), "mean_steps": statistics.fmean(e["steps"] for e in ends),
+            "mean_auc": _nanmean([e["auc"] for e in ends]),
+            "censored": sum(e["censored"] for e in ends), "steps": [e["steps"] for e in ends], "run_steps": steps}
+    out = {}
+    for method, grid in by_method.items():
+        chosen = min(grid, key=lambda lr: (grid[lr]["mean_steps"], -_or(grid[lr]["mean_auc"], -math.inf), lr))
+        out[method] = {"grid": {f"{lr:g}": v for lr, v in sorted(grid.items())}, "lr": chosen}
+    return out
+
+
+def eval_steps(tuning: Mapping[str, dict]) -> int:
+    """Evaluation run length: twice tuned GRPO's median steps on the tuning seeds, up to a multiple of 4, in [12, 64]."""
+    grpo = tuning[BASELINE]
+    median = statistics.median(grpo["grid"][f"{grpo['lr']:g}"]["steps"])
+    return int(min(64, max(12, 4 * math.ceil(2 * median / 4))))
+
+
+def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *, level: float) -> dict:
+    """Method vs baseline on their common seeds (paired): relative change of mean steps (interval at ``level``),
+    AUC and final differences (95%), SD ratios of AUC and of steps (95%), censored fractions."""
+    seeds = sorted(set(method) & set(base))
+    if len(seeds) < 2:
+        raise ValueError(f"need >= 2 paired seeds, got {seeds}")
+    m_len, b_len = _phase_steps(method), _phase_steps(base)
+    m = [run_endpoints(method[s], m_len) for s in seeds]
+    b = [run_endpoints(base[s], b_len) for s in seeds]
+    ms, bs = [e["steps"] for e in m], [e["steps"] for e in b]
+
+    def rel(idx: Sequence[int]) -> float:
+        base_mean = statistics.fmean(bs[i] for i in idx)
+        return (statistics.fmean(ms[i] for i in idx) - base_mean) / base_mean
+
+    def sd_ratio(values_m: Sequence[float], values_b: Sequence[float]):
+        def stat(idx: Sequence[int]) -> float:
+            sb = statistics.stdev(values_b[i] for i in idx)
+            if sb == 0:
+                raise statistics.StatisticsError("baseline standard deviation 0 in this resample")
+            return statistics.stdev(values_m[i] for i in idx) / sb
+        return bootstrap(list(range(len(seeds))), statistic=stat, resamples=RESAMPLES, seed=RNG_SEED).as_dict()
+
+    index = list(range(len(seeds)))
+    paired = [(x["auc"], y["auc"], x["final"], y["final"]) for x, y in zip(m, b)]
+    usable = [p for p in paired if not any(math.isnan(v) for v in p)]
+    return {
+        "seeds": seeds,
+        "mean_steps": statistics.fmean(ms), "baseline_mean_steps": statistics.fmean(bs),
+        "relative_steps": bootstrap(index, statistic=rel, resamples=RESAMPLES, seed=RNG_SEED, level=level).as_dict(),
+        "relative_steps_95": bootstrap(index, statistic=rel, resamples=RESAMPLES, seed=RNG_SEED).as_dict(),
+        "auc_diff": paired_bootstrap([p[0] for p in usable], [p[1] for p in usable], resamples=RESAMPLES,
+                                     seed=RNG_SEED).as_dict(),
+        "final_diff": paired_bootstrap([p[2] for p in usable], [p[3] for p in usable], resamples=RESAMPLES,
+                                       seed=RNG_SEED).as_dict(),
+        "sd_ratio_auc": sd_ratio([p[0] for p in usable], [p[1] for p in usable]),
+        "sd_ratio_steps": sd_ratio(ms, bs),
+        "censored": sum(e["censored"] for e in m) / len(m), "baseline_censored": sum(e["censored"] for e in b) / len(b),
+        "errors": sum(e["error"] for e in m), "baseline_errors": sum(e["error"] for e in b),
+    }
+
+
+def h1_verdict(interval: Mapping) -> str:
+    """supported: the (Bonferroni) interval of the relative change lies below 0; not supported: it excludes the
+    paper's -18% (lies above it); inconclusive otherwise."""
+    low, high = interval["low"], interval["high"]
+    if low is None or high is None:
+        return "inconclusive"
+    if high < 0:
+        return "supported"
+    if low > PAPER_H1:
+        return "not supported"
+    return "inconclusive"
+
+
+def h2_verdict(interval: Mapping) -> str:
+    """supported: the SD ratio's interval lies below 1; not supported: it lies above the paper's 0.6."""
+    low, high = interval["low"], interval["high"]
+    if low is None or high is None:
+        return "inconclusive"
+    if high < 1:
+        return "supported"
+    if low > PAPER_H2:
+        return "not supported"
+    return "inconclusive"
+
+
+def analyse_task(runs: Sequence[Mapping], task: str) -> dict:
+    """Tuning, evaluation length and (when the evaluation phase has runs) every pre-registered comparison."""
+    tuning = tune(runs, task)
+    out: dict = {"tuning": tuning}
+    if BASELINE not in tuning:
+        return out
+    out["eval_steps"] = eval_steps(tuning)
+    cells = _cells(runs, "eval", task)
+    if not cells:
+        return out
+    lr_of = {m: t["lr"] for m, t in tuning.items()}
+    base = cells.get((BASELINE, lr_of[BASELINE]))
+    comparisons, step_size = {}, {}
+    for method in sorted({m for m, _ in cells} - {BASELINE}):
+        cell = cells.get((method, lr_of.get(method, math.nan)))
+        if cell is None or base is None:
+            continue
+        level = H1_LEVEL if method in H1_METHODS else 0.95
+        c = compare_cells(cell, base, level=level)
+        c["lr"], c["baseline_lr"] = lr_of[method], lr_of[BASELINE]
+        if method in H1_METHODS:
+            c["h1_verdict"] = h1_verdict(c["relative_steps"])
+        c["h2_verdict_auc"] = h2_verdict(c["sd_ratio_auc"])
+        comparisons[method] = c
+        step_size[method] = {f"{lr:g}": compare_cells(cell, other, level=0.95)["relative_steps"]
+                             for (m, lr), other in sorted(cells.items()) if m == BASELINE}
+    out["comparisons"], out["against_every_grpo_rate"] = comparisons, step_size
+    return out
+
+
+def analyse(results: Mapping) -> dict:
+    """Every task with runs in ``results``."""
+    tasks = sorted({r["task"] for r in results["runs"]})
+    return {task: analyse_task(results["runs"], task) for task in tasks}
+
+
+def _nanmean(values: Sequence[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.fmean(kept) if kept else math.nan
+
+
+def _or(value: float, default: float) -> float:
+    return default if math.isnan(value) else value
