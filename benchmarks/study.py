@@ -49,7 +49,10 @@ def run_path(runs_dir: Path, phase: str, task: str, method: str, lr: float, seed
 
 
 def finished(path: Path, steps: int) -> bool:
-    """Whether the metric file holds step ``steps`` (the run's last)."""
+    """Whether the run is done: it crashed (``.error``, counted censored, never re-run) or its metric file holds
+    step ``steps`` (the run's last)."""
+    if Path(str(path) + ".error").exists() and Path(str(path) + ".meta.json").exists():
+        return True
     if not path.exists():
         return False
     for line in path.read_text().splitlines():
@@ -88,15 +91,17 @@ def cmd_run(args) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         settings = RunSettings(steps=args.steps, lr=lr)
+        Path(str(path) + ".error").unlink(missing_ok=True)
         began = time.time()
         try:
             run(method, seed, settings, path, testbed=testbed_dir(args.task),
                 log=lambda m: print(f"[study {time.strftime('%H:%M:%S')}] {args.task} lr={lr:g} {m}", flush=True)
                 if ("done" in m or "ready" in m) else None)
-            Path(str(path) + ".seconds").write_text(f"{time.time() - began:.2f}\n")
         except Exception:  # recorded, counted as censored by the analysis (never re-run silently)
             Path(str(path) + ".error").write_text(traceback.format_exc())
             print(f"[study] {path} FAILED (see .error)", flush=True)
+        meta = {"steps": args.steps, "seconds": round(time.time() - began, 2)}
+        Path(str(path) + ".meta.json").write_text(json.dumps(meta) + "\n")
         done += 1
         print(f"[study] {args.phase} {args.task} shard {args.shard}: {done}/{len(mine)}", flush=True)
     return 0
@@ -108,11 +113,9 @@ def read_run(path: Path) -> dict:
     records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     train = [r for r in records if REWARD in r["data"]]
     val = {r["step"]: r["data"][VAL_REWARD] for r in records if VAL_REWARD in r["data"]}
-    seconds = Path(str(path) + ".seconds")
     return {
         "reward": [r["data"][REWARD] for r in sorted(train, key=lambda r: r["step"])],
         "val_accuracy": {str(k): v for k, v in sorted(val.items())},
-        "seconds": float(seconds.read_text()) if seconds.exists() else None,
     }
 
 
@@ -121,20 +124,23 @@ def cmd_collect(args) -> int:
 
     runs_dir = Path(args.runs_dir)
     out = Path(args.out)
-    runs = []
-    for path in sorted(runs_dir.glob("*/*/*/*.jsonl")):
+    runs, unfinished = [], 0
+    for meta_path in sorted(runs_dir.glob("*/*/*/*.jsonl.meta.json")):
+        path = Path(str(meta_path)[: -len(".meta.json")])
         phase, task, method = path.parts[-4:-1]
         lr_part, seed_part = path.stem.split("_seed")
-        entry = {"phase": phase, "task": task, "method": method, "lr": float(lr_part[2:]), "seed": int(seed_part)}
+        meta = json.loads(meta_path.read_text())
+        entry = {"phase": phase, "task": task, "method": method, "lr": float(lr_part[2:]), "seed": int(seed_part),
+                 "steps": meta["steps"], "seconds": meta["seconds"]}
         error = Path(str(path) + ".error")
-        entry.update({"error": error.read_text()[-2000:]} if error.exists() else read_run(path))
+        if error.exists():
+            entry["error"] = error.read_text()[-2000:]
+        elif finished(path, meta["steps"]):
+            entry.update(read_run(path))
+        else:
+            unfinished += 1
+            continue
         runs.append(entry)
-    for error in sorted(runs_dir.glob("*/*/*/*.jsonl.error")):
-        if not Path(str(error)[: -len(".error")]).exists():
-            phase, task, method = error.parts[-4:-1]
-            lr_part, seed_part = error.name[: -len(".jsonl.error")].split("_seed")
-            runs.append({"phase": phase, "task": task, "method": method, "lr": float(lr_part[2:]),
-                         "seed": int(seed_part), "error": error.read_text()[-2000:]})
     previous = json.loads(out.read_text()) if out.exists() else {}
     result = {
         "what": "docs/study.md: pick_max credit-assignment study, fast runner (verl's math in one process)",
@@ -149,7 +155,7 @@ def cmd_collect(args) -> int:
     if args.study_seconds is not None:
         result["study_seconds"] = args.study_seconds
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"study.py: {len(runs)} runs -> {out}")
+    print(f"study.py: {len(runs)} runs -> {out} ({unfinished} unfinished left out)")
     return 0
 
 

@@ -20,7 +20,7 @@ def _curve(reach: int | None, steps: int) -> list[float]:
 
 
 def _run(phase, task, method, lr, seed, reach, steps=32, auc=0.5):
-    return {"phase": phase, "task": task, "method": method, "lr": lr, "seed": seed,
+    return {"phase": phase, "task": task, "method": method, "lr": lr, "seed": seed, "steps": steps,
             "reward": _curve(reach, steps), "val_accuracy": {"0": auc, str(steps): auc}}
 
 
@@ -112,3 +112,16 @@ def test_mismatched_run_lengths_in_a_cell_are_refused():
     cell = {1: _run("eval", "x", "grpo", 1, 1, 5, steps=16), 2: _run("eval", "x", "grpo", 1, 2, 5, steps=20)}
     with pytest.raises(ValueError, match="differ in length"):
         sa._phase_steps(cell)
+    short = _run("eval", "x", "grpo", 1, 3, 5, steps=16)
+    short["reward"] = short["reward"][:10]
+    with pytest.raises(ValueError, match="has 10 steps of reward, configured 16"):
+        sa._phase_steps({3: short})
+
+
+def test_a_cell_whose_runs_all_crashed_counts_every_run_censored():
+    runs = [{"phase": "tuning", "task": "x", "method": "grpo", "lr": 0.004, "seed": s, "steps": 32, "error": "x"}
+            for s in range(1000, 1005)]
+    runs += [_run("tuning", "x", "grpo", 0.001, s, 10) for s in range(1000, 1005)]
+    tuned = sa.tune(runs, "x")
+    assert tuned["grpo"]["grid"]["0.004"]["mean_steps"] == 33 and tuned["grpo"]["grid"]["0.004"]["censored"] == 5
+    assert tuned["grpo"]["lr"] == 0.001

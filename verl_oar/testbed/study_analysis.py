@@ -1,7 +1,7 @@
 """The study's pre-registered analysis (docs/study.md, "Endpoints" and "Analysis") over its results JSON.
 
-Input: the JSON written by ``benchmarks/study.py collect``: ``runs``, each ``{phase, task, method, lr, seed,
-reward: [per-step training reward], val_accuracy: {step: greedy held-out accuracy}}`` or ``{..., error}``.
+Input: the JSON written by ``benchmarks/study.py collect``: ``runs``, each ``{phase, task, method, lr, seed, steps,
+reward: [per-step training reward], val_accuracy: {step: greedy held-out accuracy}}`` or ``{..., steps, error}``.
 Plain Python; every number of the study's tables comes from :func:`analyse`.
 
 Per run: ``steps`` = first step whose trailing 3-step mean training reward reaches 0.8, else the run's steps + 1
@@ -55,9 +55,13 @@ def _cells(runs: Sequence[Mapping], phase: str, task: str) -> dict[tuple[str, fl
 
 
 def _phase_steps(cell: Mapping[int, Mapping]) -> int:
-    lengths = {len(r["reward"]) for r in cell.values() if "error" not in r}
+    """The cell's run length: each run's configured ``steps`` (a finished run's curve must have that many)."""
+    lengths = {int(r["steps"]) for r in cell.values()}
     if len(lengths) != 1:
-        raise ValueError(f"runs of one cell differ in length or all crashed: {sorted(lengths)}")
+        raise ValueError(f"runs of one cell differ in length: {sorted(lengths)}")
+    for r in cell.values():
+        if "error" not in r and len(r["reward"]) != int(r["steps"]):
+            raise ValueError(f"run seed {r['seed']} has {len(r['reward'])} steps of reward, configured {r['steps']}")
     return lengths.pop()
 
 

@@ -1,0 +1,224 @@
+"""Render the study's tables and figures from its committed results JSON (never re-runs anything).
+
+    python -m verl_oar.testbed.study_report benchmarks/results_study_cpu.json [--figures docs/figures/study]
+
+Prints the markdown tables that docs/study.md's "Results" quotes (tests/unit/test_study_report_on_cpu.py keeps the
+page equal to this output) and, with ``--figures DIR``, writes per task: ``TASK_curves.png`` (mean training reward per
+step on the evaluation seeds, each method at its tuned rate, with a 95% bootstrap band of the mean) and
+``TASK_lr_grid.png`` (mean steps to threshold on the tuning seeds against the learning rate, per method) and, once
+two or more tasks have evaluation results, ``effect_vs_filler.png`` (H1's relative change against filler words per
+gap, Bonferroni intervals). The across-seed spread is in the evaluation table (SD ratios with intervals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from verl_oar.testbed import study_analysis as sa
+from verl_oar.testbed.measures import bootstrap
+
+FILLER_WORDS = {"fill2": 2, "fill8": 8, "fill32": 32}
+LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P exact", "oar_p_chunk16": "OAR-P chunk K=16"}
+
+
+def _label(method: str) -> str:
+    return LABELS.get(method, method)
+
+
+def _iv(iv: dict, pct: bool = False, digits: int = 2) -> str:
+    def f(x):
+        return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else (
+            f"{100 * x:+.0f}%" if pct else f"{x:+.{digits}f}")
+    return f"{f(iv['estimate'])} [{f(iv['low'])}, {f(iv['high'])}]"
+
+
+def _ratio(iv: dict) -> str:
+    def f(x):
+        return "n/a" if x is None else f"{x:.2f}"
+    return f"{f(iv['estimate'])} [{f(iv['low'])}, {f(iv['high'])}]"
+
+
+def tuning_table(task: str, tuning: dict) -> str:
+    rates = sorted({lr for t in tuning.values() for lr in t["grid"]}, key=float)
+    lines = [f"Tuning, {task} (seeds {_seed_span(tuning)}; mean steps to threshold, censored runs in brackets, "
+             "mean held-out AUC; * = chosen)", "",
+             "| method | " + " | ".join(f"lr {r}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+    for method in _order(tuning):
+        cells = []
+        for r in rates:
+            g = tuning[method]["grid"].get(r)
+            if g is None:
+                cells.append("-")
+                continue
+            star = "*" if float(r) == tuning[method]["lr"] else ""
+            cells.append(f"{g['mean_steps']:.1f} ({g['censored']}) / {g['mean_auc']:.3f}{star}")
+        lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def eval_table(task: str, result: dict) -> str:
+    comps = result.get("comparisons", {})
+    lines = [f"Evaluation, {task} ({result['eval_steps']} steps; each method at its tuned rate against GRPO at its "
+             "tuned rate, paired over seeds)", "",
+             "| method (lr) | mean steps (GRPO) | relative change of steps [interval] | H1 | AUC diff [95%] | "
+             "final diff [95%] | SD ratio, AUC [95%] | H2 | SD ratio, steps [95%] | censored (GRPO) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for method in _order(comps):
+        c = comps[method]
+        level = c["relative_steps"]["level"]
+        lines.append(
+            f"| {_label(method)} ({c['lr']:g}) | {c['mean_steps']:.2f} ({c['baseline_mean_steps']:.2f}) | "
+            f"{_iv(c['relative_steps'], pct=True)} ({100 * level:.2f}%) | {c.get('h1_verdict', '-')} | "
+            f"{_iv(c['auc_diff'], digits=3)} | {_iv(c['final_diff'], digits=3)} | {_ratio(c['sd_ratio_auc'])} | "
+            f"{c['h2_verdict_auc']} | {_ratio(c['sd_ratio_steps'])} | "
+            f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) |")
+    return "\n".join(lines)
+
+
+def step_size_table(task: str, result: dict) -> str:
+    rows = result.get("against_every_grpo_rate", {})
+    rates = sorted({r for v in rows.values() for r in v}, key=float)
+    lines = [f"The step-size alternative, {task}: relative change of steps against GRPO at every grid rate [95%]", "",
+             "| method | " + " | ".join(f"GRPO lr {r}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+    for method in _order(rows):
+        lines.append(f"| {_label(method)} | " + " | ".join(_iv(rows[method][r], pct=True) if r in rows[method] else "-"
+                                                           for r in rates) + " |")
+    return "\n".join(lines)
+
+
+def tables(results: dict) -> str:
+    analysis = sa.analyse(results)
+    parts = []
+    for task in sorted(analysis, key=lambda t: FILLER_WORDS.get(t, 0)):
+        result = analysis[task]
+        parts.append(tuning_table(task, result["tuning"]))
+        if "eval_steps" in result:
+            parts.append(f"Evaluation length, {task}: {result['eval_steps']} steps (twice tuned GRPO's median steps "
+                         "on the tuning seeds, rounded up to a multiple of 4, within [12, 64]).")
+        if result.get("comparisons"):
+            parts += [eval_table(task, result), step_size_table(task, result)]
+    return "\n\n".join(parts) + "\n"
+
+
+def _order(mapping) -> list[str]:
+    known = ["grpo", "oar_g", "oar_p_chunk16", "oar_p"]
+    return [m for m in known if m in mapping] + sorted(m for m in mapping if m not in known)
+
+
+def _seed_span(tuning: dict) -> str:
+    seeds = sorted({s for t in tuning.values() for g in t["grid"].values() for s in g["seeds"]})
+    return f"{seeds[0]}-{seeds[-1]}" if seeds else "-"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(results: dict, task: str, analysis: dict, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in _order(analysis["tuning"]):
+        lr = analysis["tuning"][method]["lr"]
+        curves = [r["reward"] for r in results["runs"] if r["phase"] == "eval" and r["task"] == task
+                  and r["method"] == method and r["lr"] == lr and "error" not in r]
+        if not curves:
+            continue
+        steps = range(1, len(curves[0]) + 1)
+        mean = [statistics.fmean(c[i] for c in curves) for i in range(len(curves[0]))]
+        bands = [bootstrap([c[i] for c in curves], resamples=2000) for i in range(len(curves[0]))]
+        ax.plot(steps, mean, label=f"{_label(method)} (lr {lr:g}, {len(curves)} seeds)")
+        ax.fill_between(steps, [b.low for b in bands], [b.high for b in bands], alpha=0.2)
+    ax.axhline(sa.THRESHOLD, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training reward (accuracy of the step's 64 samples)")
+    ax.set_title(f"pick_max {task}: mean over evaluation seeds, 95% band")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_lr_grid(task: str, analysis: dict, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for method in _order(analysis["tuning"]):
+        grid = analysis["tuning"][method]["grid"]
+        rates = sorted(grid, key=float)
+        ax.plot([float(r) for r in rates], [grid[r]["mean_steps"] for r in rates], marker="o", label=_label(method))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("mean steps to threshold (tuning seeds)")
+    ax.set_title(f"pick_max {task}: learning-rate grid")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_effect_vs_filler(analysis: dict, path: Path) -> bool:
+    done = [t for t in analysis if analysis[t].get("comparisons")]
+    if len(done) < 2:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for method in sa.H1_METHODS:
+        pts = [(FILLER_WORDS[t], analysis[t]["comparisons"][method]["relative_steps"]) for t in done
+               if method in analysis[t]["comparisons"]]
+        if pts:
+            x = [p[0] for p in pts]
+            y = [100 * p[1]["estimate"] for p in pts]
+            err = [[100 * (p[1]["estimate"] - p[1]["low"]) for p in pts], [100 * (p[1]["high"] - p[1]["estimate"])
+                                                                            for p in pts]]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=_label(method))
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.axhline(100 * sa.PAPER_H1, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("filler words per gap")
+    ax.set_ylabel("steps to threshold vs tuned GRPO (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def figures(results: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    analysis = sa.analyse(results)
+    written = []
+    for task, result in analysis.items():
+        plot_lr_grid(task, result, out / f"{task}_lr_grid.png")
+        written.append(out / f"{task}_lr_grid.png")
+        if result.get("comparisons"):
+            plot_curves(results, task, result, out / f"{task}_curves.png")
+            written.append(out / f"{task}_curves.png")
+    if plot_effect_vs_filler(analysis, out / "effect_vs_filler.png"):
+        written.append(out / "effect_vs_filler.png")
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", type=Path)
+    p.add_argument("--figures", type=Path, default=None)
+    args = p.parse_args(argv)
+    results = json.loads(args.results.read_text())
+    print(tables(results), end="")
+    if args.figures is not None:
+        for path in figures(results, args.figures):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
