@@ -1,0 +1,81 @@
+"""The study's phase runner (benchmarks/study.py) and the fast runner's study methods: seeds parsing, what counts as
+a finished run (a crash is final), what ``collect`` keeps, and the ablation / tau methods' overrides."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_oar.testbed.fast_runner import METHODS, load_bed, overrides_of
+from verl_oar.testbed.training_runs import RunSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("study_runner", ROOT / "benchmarks" / "study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["study_runner"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_seeds(study):
+    assert study.parse_seeds("1000-1004") == [1000, 1001, 1002, 1003, 1004]
+    assert study.parse_seeds("5,1,3-4,1") == [1, 3, 4, 5]
+
+
+def _write_run(path: Path, steps: int, *, last: int | None = None, error: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [{"step": 0, "data": {"val-core/verl_oar/pick_max/acc/mean@1": 0.4}}]
+    lines += [{"step": s, "data": {"critic/score/mean": 0.5 + s / 100}} for s in range(1, (last or steps) + 1)]
+    lines[-1]["data"]["val-core/verl_oar/pick_max/acc/mean@1"] = 0.9
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    if error:
+        Path(str(path) + ".error").write_text("Traceback ...\nNoAnswerError: boom\n")
+    if last is None or error:
+        Path(str(path) + ".meta.json").write_text(json.dumps({"steps": steps, "seconds": 1.5}))
+
+
+def test_finished_and_collect(study, tmp_path):
+    runs = tmp_path / "runs"
+    done = study.run_path(runs, "tuning", "fill2", "grpo", 1e-3, 1000)
+    partial = study.run_path(runs, "tuning", "fill2", "grpo", 1e-3, 1001)
+    crashed = study.run_path(runs, "tuning", "fill2", "oar_g", 4e-3, 1000)
+    _write_run(done, 6)
+    _write_run(partial, 6, last=3)
+    _write_run(crashed, 6, last=2, error=True)
+    assert study.finished(done, 6) and not study.finished(partial, 6) and study.finished(crashed, 6)
+    out = tmp_path / "results.json"
+    assert study.main(["collect", "--out", str(out), "--runs-dir", str(runs), "--note", "cmd"]) == 0
+    result = json.loads(out.read_text())
+    by_seed = {(r["method"], r["seed"]): r for r in result["runs"]}
+    assert set(by_seed) == {("grpo", 1000), ("oar_g", 1000)}  # the unfinished run is left out
+    assert by_seed[("grpo", 1000)]["reward"] == [0.51, 0.52, 0.53, 0.54, 0.55, 0.56]
+    assert by_seed[("grpo", 1000)]["val_accuracy"] == {"0": 0.4, "6": 0.9}
+    assert by_seed[("oar_g", 1000)]["steps"] == 6 and "NoAnswerError" in by_seed[("oar_g", 1000)]["error"]
+    assert result["commands"] == ["cmd"]
+
+
+@pytest.mark.parametrize("method,key,value", [
+    ("oar_g_no_amplify", "amplify", "false"), ("oar_g_no_suppress", "suppress", "false"),
+    ("oar_g_no_preserve_mass", "preserve_mass", "false"), ("oar_g_tau0.25", "tau", "0.25"),
+    ("oar_g_tau0.75", "tau", "0.75"),
+])
+def test_ablation_methods_change_one_oar_setting_of_oar_g(method, key, value, tmp_path):
+    assert METHODS[method][0] == "oar_g"
+    bed = load_bed(None)
+    settings = RunSettings(lr=2e-3)
+    got = overrides_of(bed, method, 1000, settings, val_file=tmp_path / "v.parquet")
+    base = overrides_of(bed, "oar_g", 1000, settings, val_file=tmp_path / "v.parquet")
+    assert f"+algorithm.oar.{key}={value}" in got
+    def rest(overrides):  # everything else, the run's name aside
+        return [o for o in overrides if not o.startswith((f"+algorithm.oar.{key}=", "trainer.experiment_name="))]
+
+    assert rest(got) == rest(base) and f"trainer.experiment_name={method}_seed1000" in got
+    assert "algorithm.adv_estimator=oar_g" in got and "actor_rollout_ref.actor.optim.lr=0.002" in got
