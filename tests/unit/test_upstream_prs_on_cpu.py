@@ -1,0 +1,140 @@
+"""The upstream pull requests (``upstream/verl-0.9.1/NN-name/``, docs/upstream.md), each on its own.
+
+One module-scoped ``upstream/apply.sh`` run copies the installed verl 0.9.1 (package + the tests its
+wheel ships) and builds one branch per PR: the PR's patches on plain verl, or on the one PR its ``BASE``
+names. Per PR, a worktree of that branch (first on ``PYTHONPATH``, plugins off) passes the PR's own tests
+(the test files its patches add) plus a few of verl's own CPU tests that cover the files it touches.
+Then the script itself: a subset pulls in its base, an unknown name is refused with the names there
+are, and ``--regenerate`` round-trips the patches byte for byte.
+Marked slow: about 2 minutes on 2 cores (one pytest process per PR, mostly imports).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+APPLY = ROOT / "upstream" / "apply.sh"
+SERIES = ROOT / "upstream" / "verl-0.9.1"
+VERL_TESTS = {
+    "cpu-fixes": ("tests/test_protocol_on_cpu.py",),
+    "rollout-registry": ("tests/checkpoint_engine/test_sglang_fusion_bucketing_on_cpu.py",),
+    "advantage-hooks": (
+        "tests/trainer/ppo/test_core_algos_on_cpu.py",
+        "tests/trainer/test_multi_trajectories_advantage_on_cpu.py",
+        "tests/trainer/ppo/test_spec_decode_metrics_on_cpu.py",
+    ),
+    "train-batch-hooks": ("tests/trainer/test_multi_trajectories_advantage_on_cpu.py",),
+    "logits-reducers": (),
+    "oar": ("tests/trainer/ppo/test_core_algos_on_cpu.py",),
+}
+"""per PR, verl 0.9.1's own wheel tests that import the modules it touches and pass on this CPU machine
+(no wheel test imports verl/workers/engine/fsdp, which logits-reducers changes: its own tests build the
+engine's forward on CPU)"""
+PRS = tuple(sorted(SERIES.glob("[0-9][0-9]-*")))
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+
+def _apply(dest: Path, *args: str, series: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    if series is not None:
+        env["SERIES"] = str(series)
+    return subprocess.run(["bash", str(APPLY), str(dest), *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def _name(pr: Path) -> str:
+    return pr.name[3:]
+
+
+def _own_tests(pr: Path) -> list[str]:
+    """The test files the PR's patches add or change, e.g. tests/trainer/ppo/test_x_on_cpu.py."""
+    found = set()
+    for patch in pr.glob("*.patch"):
+        found.update(re.findall(r"^diff --git a/(tests/\S+/test_\S+\.py) b/", patch.read_text(), re.M))
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def applied(tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("verl_prs") / "verl"
+    proc = _apply(dest)
+    assert proc.returncode == 0, f"the upstream PRs do not apply to the installed verl:\n{proc.stderr}"
+    return dest
+
+
+def test_the_layout_names_every_pr_and_its_tests():
+    assert [_name(p) for p in PRS] == list(VERL_TESTS), "a PR was added or renamed: give it its verl tests here"
+    for pr in PRS:
+        assert (pr / "PR.md").is_file() and list(pr.glob("*.patch")), pr
+        assert _own_tests(pr), f"{pr.name} adds no test"
+        base = (pr / "BASE").read_text().strip() if (pr / "BASE").exists() else None
+        if base is not None:
+            assert base in [_name(p) for p in PRS if p.name < pr.name], (pr.name, base)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pr", PRS, ids=[_name(p) for p in PRS])
+def test_each_pr_alone_passes_its_tests_and_verls(applied, pr, tmp_path):
+    name = _name(pr)
+    tree = tmp_path / name
+    _git(applied, "worktree", "add", "-q", "--detach", str(tree), f"pr/{name}")
+    base = (pr / "BASE").read_text().strip() if (pr / "BASE").exists() else None
+    expected = len(list(pr.glob("*.patch"))) + (len(list(next(SERIES.glob(f"??-{base}")).glob("*.patch"))) if base else 0)
+    log = _git(tree, "log", "--format=%s", "verl-0.9.1-wheel..HEAD").splitlines()
+    assert len(log) == expected, log  # the PR (and its base), nothing else
+    tests = [*_own_tests(pr), *VERL_TESTS[name]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "VERL_USE_EXTERNAL_PLUGINS": "none"}  # verl's tests of verl alone (verl-oar loads on `import verl`)
+    run = (  # one process: check that verl comes from the PR's copy, then run the tests there
+        "import sys, pytest, verl\n"
+        "assert verl.__file__.startswith(sys.argv[1]), verl.__file__\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', *sys.argv[2:]]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", run, str(tree), *tests], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in last and "skipped" not in last and "error" not in last, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_subset_pulls_in_its_base_and_an_unknown_name_is_refused(tmp_path):
+    proc = _apply(tmp_path / "a", "--prs", "cpu-fixes,oar")
+    assert proc.returncode == 0, proc.stderr
+    assert "oar builds on advantage-hooks: applying advantage-hooks too" in proc.stderr
+    branches = _git(tmp_path / "a", "branch", "--format=%(refname:short)").split()
+    assert sorted(branches) == ["main", "pr/advantage-hooks", "pr/cpu-fixes", "pr/oar"]
+    subjects = _git(tmp_path / "a", "log", "--reverse", "--format=%s", "verl-0.9.1-wheel..main").splitlines()
+    assert [s.split("]")[0] + "]" for s in subjects] == ["[misc]", "[fsdp]", "[algo]", "[trainer]", "[algo]"], subjects
+
+    proc = _apply(tmp_path / "b", "--prs", "cpu-fixes,no-such-pr")
+    assert proc.returncode == 2 and "no PR named 'no-such-pr'" in proc.stderr and "rollout-registry" in proc.stderr
+    assert not (tmp_path / "b").exists()  # refused before copying anything
+
+
+@pytest.mark.slow
+def test_regenerate_round_trips_every_pr(tmp_path):
+    series = tmp_path / "series"
+    shutil.copytree(SERIES, series)
+    dest = tmp_path / "verl"
+    assert _apply(dest, series=series).returncode == 0
+    for patch in series.rglob("*.patch"):
+        patch.unlink()
+    proc = subprocess.run(["bash", str(APPLY), "--regenerate", str(dest)], env={**os.environ, "SERIES": str(series)},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    ours = sorted(p.relative_to(SERIES) for p in SERIES.rglob("*.patch"))
+    assert sorted(p.relative_to(series) for p in series.rglob("*.patch")) == ours
+    for rel in ours:
+        assert (series / rel).read_bytes() == (SERIES / rel).read_bytes(), rel
