@@ -11,46 +11,84 @@ instead of these names is the upstream series (``upstream/``, docs/upstream.md).
 from __future__ import annotations
 
 import importlib
+import os
+from dataclasses import dataclass
 
 SUPPORTED_VERL = ("0.9.",)
 """verl release series verl-oar is written and tested for (prefixes of ``verl.__version__``)"""
 
-PRIVATE_NAMES: dict[str, str] = {
-    "verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY":
+@dataclass(frozen=True)
+class Private:
+    """Why verl-oar touches a private verl name, and which patch of the upstream series (docs/upstream.md) makes it
+    unnecessary (None: needed with the series too)."""
+
+    why: str
+    replaced_by: str | None
+
+    def __str__(self) -> str:
+        return self.why
+
+
+_S02 = "0001+0002 (advantage hooks)"
+_S07 = "0007 (train batch hooks)"
+_S08 = "0008 (logits reducers)"
+
+PRIVATE_NAMES: dict[str, Private] = {
+    "verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY": Private(
         "trainer.install_trainer_hook replaces each entry by a dispatcher (verl offers register_trainer, "
-        "which refuses to re-register a name)",
-    "verl.trainer.main_ppo_v0.RayPPOTrainer":
+        "which refuses to re-register a name)", _S02),
+    "verl.trainer.main_ppo_v0.RayPPOTrainer": Private(
         "trainer.install_legacy_guard rebinds this module-level name (what the legacy TaskRunner constructs) "
-        "to a dispatcher that refuses token-level estimators at start-up",
-    "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._init_resource_pool_mgr":
-        "OARTrainerSync swaps the actor worker class for one with OARWorkerMixin",
-    "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._compute_old_log_prob":
-        "OARTrainerSync computes (or fuses) the token signals around the old-log-prob pass",
-    "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._compute_advantage":
-        "OARTrainerSync reads the signals from TransferQueue and exposes them to the estimator",
-    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._init_dataloader":
-        "CoDaSampling (codapo_sampling) doubles steps_per_epoch and the step total after verl computes them",
-    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._next_train_batch":
-        "CoDaSampling returns the refocused batch instead of a dataloader fetch on a batch's second use",
-    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._save_checkpoint":
-        "CoDaSampling saves its pending refocused batch beside verl's data.pt",
-    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._load_checkpoint":
-        "CoDaSampling restores its pending refocused batch on resume",
-    "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs":
-        "ACPO's modal surrogate (engines/fsdp/modal.py) wraps it on the engine instance for one compute_log_prob call",
-    "verl.workers.engine.fsdp.transformer_impl.FSDPEngine._gather_and_unpad_packed":
-        "ACPO's modal surrogate packs its output exactly as verl packs log_probs (engines/fsdp/modal.py)",
-    "verl.workers.rollout.base._ROLLOUT_REGISTRY":
-        "CPU mode only: registers the hf rollout (cpu/verl_patches.py)",
-    "verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy":
-        "CPU mode only: offload without pinned memory (cpu/verl_patches.py)",
-    "verl.utils.distributed.initialize_global_process_group_ray":
-        "CPU mode only: a backend string torch accepts (cpu/verl_patches.py)",
-    "verl.workers.engine.megatron.transformer_impl.MegatronEngineWithLMHead._lm_head_logits_processor":
+        "to a dispatcher that refuses token-level estimators at start-up", _S02),
+    "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._init_resource_pool_mgr": Private(
+        "OARTrainerSync swaps the actor worker class for one with OARWorkerMixin", _S02),
+    "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._compute_old_log_prob": Private(
+        "OARTrainerSync computes (or fuses) the token signals around the old-log-prob pass", _S02),
+    "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._compute_advantage": Private(
+        "OARTrainerSync reads the signals from TransferQueue and exposes them to the estimator", _S02),
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._init_dataloader": Private(
+        "CoDaSampling (codapo_sampling) doubles steps_per_epoch and the step total after verl computes them", _S07),
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._next_train_batch": Private(
+        "CoDaSampling returns the refocused batch instead of a dataloader fetch on a batch's second use", _S07),
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._save_checkpoint": Private(
+        "CoDaSampling saves its pending refocused batch beside verl's data.pt", _S07),
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._load_checkpoint": Private(
+        "CoDaSampling restores its pending refocused batch on resume", _S07),
+    "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs": Private(
+        "ACPO's modal surrogate (engines/fsdp/modal.py) wraps it on the engine instance for one compute_log_prob "
+        "call", _S08),
+    "verl.workers.engine.fsdp.transformer_impl.FSDPEngine._gather_and_unpad_packed": Private(
+        "ACPO's modal surrogate packs its output exactly as verl packs log_probs (engines/fsdp/modal.py)", _S08),
+    "verl.workers.rollout.base._ROLLOUT_REGISTRY": Private(
+        "CPU mode only: registers the hf rollout (cpu/verl_patches.py)", "0004 (register_rollout_class)"),
+    "verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy": Private(
+        "CPU mode only: offload without pinned memory (cpu/verl_patches.py)", "0005 (is_pin_memory_available)"),
+    "verl.utils.distributed.initialize_global_process_group_ray": Private(
+        "CPU mode only: a backend string torch accepts (cpu/verl_patches.py)", "0003 (get_default_process_group_backend)"),
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch": Private(
+        "CSCR / OPPO (integration/privileged_signal.py) balance their extra rows across the actor's ranks as verl "
+        "balances the batch (not routed through compat yet)", None),
+    "verl.workers.engine.base.EngineRegistry._engines": Private(
+        "CPU mode only: registering the FSDP engines for the cpu device is skipped when already there "
+        "(cpu/platform.py; EngineRegistry.register asserts on a second registration)", None),
+    "verl.plugin.platform.platform_manager._current_platform": Private(
+        "CPU mode only: refuses a platform verl already initialised as another device (cpu/platform.py)", None),
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._val_metrics_update": Private(
+        "testbed fast runner only (testbed/fast_step.py): verl's validation metric names", None),
+    "verl.workers.engine.megatron.transformer_impl.MegatronEngineWithLMHead._lm_head_logits_processor": Private(
         "Megatron only (needs megatron-core): verl's log-prob head, reused by the fused pass "
-        "(engines/megatron/forward.py)",
+        "(engines/megatron/forward.py)", None),
 }
-"""every private (underscored or undocumented-to-mutate) verl name verl-oar touches -> why"""
+"""every private (underscored or undocumented-to-mutate) verl name verl-oar touches -> why, and the upstream patch
+that makes it unnecessary. Each is reached through :func:`private_attr` / :func:`private_overrides` /
+:func:`set_private_attr`, which log it (:data:`ACCESS_LOG`); tests/unit/test_private_names_on_cpu.py checks that no
+other module names one (the modules not routed yet are listed there)."""
+
+ACCESS_LOG: list[str] = []
+"""every private verl name this process resolved, overrode or rebound through compat, in order (``name: how``)"""
+ACCESS_LOG_ENV = "VERL_OAR_PRIVATE_ACCESS_LOG"
+"""when set, a file each access is also appended to (one line ``pid name: how``), so that the processes of a run
+(trainer, Ray workers) write one log; the e2e test of the upstream series asserts it stays empty"""
 
 NEEDS_MEGATRON = ("verl.workers.engine.megatron.",)
 """prefixes of names that only resolve where megatron-core is installed (GPU machines)"""
@@ -114,12 +152,61 @@ def missing_private_names(include_megatron: bool = False) -> list[str]:
     return missing
 
 
+def record(name: str, how: str) -> None:
+    """Log one private access (:data:`ACCESS_LOG`, and the file named by ``$VERL_OAR_PRIVATE_ACCESS_LOG``)."""
+    if name not in PRIVATE_NAMES:
+        raise KeyError(f"{name} is not declared in verl_oar.integration.compat.PRIVATE_NAMES; declare it (why, and "
+                       "the upstream patch that replaces it) before touching it")
+    entry = f"{name}: {how}"
+    ACCESS_LOG.append(entry)
+    path = os.environ.get(ACCESS_LOG_ENV)
+    if path:
+        with open(path, "a") as fp:
+            fp.write(f"{os.getpid()} {entry}\n")
+
+
+def private_attr(obj, name: str):
+    """``getattr(obj, <last part of name>)`` for the declared private verl name ``name``, logged."""
+    record(name, f"read on {type(obj).__name__}")
+    return getattr(obj, name.rsplit(".", 1)[1])
+
+
+def set_private_attr(obj, name: str, value) -> None:
+    """``setattr(obj, <last part of name>, value)`` for the declared private verl name ``name`` (a monkeypatch), logged."""
+    record(name, f"rebound on {getattr(obj, '__name__', type(obj).__name__)}")
+    setattr(obj, name.rsplit(".", 1)[1], value)
+
+
+def private_overrides(cls: type, name: str, overrides: dict[str, str]) -> type:
+    """A subclass ``name`` of ``cls`` that overrides verl's private methods: ``overrides`` maps each declared private
+    method (``PRIVATE_NAMES``) to a public method of ``cls`` called as ``method(self, base, *args, **kwargs)``,
+    ``base(self, ...)`` being the next class's method in the MRO (``super()``). Logged when built."""
+    namespace: dict = {"__module__": cls.__module__, "__qualname__": name, "__doc__": cls.__doc__}
+    for private, public in overrides.items():
+        record(private, f"overridden by {cls.__module__}.{name}.{public}")
+        method = private.rsplit(".", 1)[1]
+
+        def override(self, *args, _method=method, _public=public, **kwargs):
+            def base(obj, *a, **k):
+                return getattr(super(built, obj), _method)(*a, **k)
+
+            return getattr(self, _public)(base, *args, **kwargs)
+
+        override.__name__ = override.__qualname__ = method
+        namespace[method] = override
+    built = type(name, (cls,), namespace)
+    return built
+
+
 def trainer_registry() -> dict:
     """verl's v1 trainer registry, checked to be what verl-oar expects (``sync`` is verl's
     ``PPOTrainerSync``, or verl-oar's dispatcher in front of it)."""
     from verl.trainer.ppo.v1 import trainer_base
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+    record("verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY", "read (trainer_registry)")
+    for method in ("_init_resource_pool_mgr", "_compute_old_log_prob", "_compute_advantage"):
+        record(f"verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync.{method}", "overridden by trainer.OARTrainerSync")
     registry = getattr(trainer_base, "TRAINER_REGISTRY", None)
     sync = registry.get("sync") if isinstance(registry, dict) else None
     if getattr(sync, "_verl_cls", sync) is not PPOTrainerSync:
