@@ -1,7 +1,8 @@
 """The study's runs (docs/study.md): every (task, method, learning rate, seed) of a phase through the fast runner.
 
     python benchmarks/study.py run --phase tuning --task fill2 --methods grpo,oar_g --lrs 0.5e-3,1e-3 \
-        --seeds 1000-1004 --steps 24 [--shard 0/2] [--runs-dir runs/study]
+        --seeds 1000-1004 --steps 32 [--shard 0/2] [--runs-dir runs/study]
+    python benchmarks/study.py run --phase eval --task fill2 --methods grpo@1e-3,oar_g@2e-3 --seeds 2000-2019 --steps 28
     python benchmarks/study.py collect --out benchmarks/results_study_cpu.json [--runs-dir runs/study]
 
 ``run`` trains each run of the grid in this process (one torch thread; start two processes with ``--shard 0/2`` and
@@ -71,14 +72,19 @@ def cmd_run(args) -> int:
     from verl_oar.testbed.fast_runner import METHODS, run
     from verl_oar.testbed.training_runs import RunSettings
 
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
+    lrs = [float(x) for x in (args.lrs or "").split(",") if x]
+    cells = []  # (method, lr): "name" takes every --lrs rate, "name@lr" that rate only
+    for item in (m for m in args.methods.split(",") if m):
+        name, _, rate = item.partition("@")
+        if not rate and not lrs:
+            sys.exit(f"study.py: {item!r} has no rate: give --lrs or write it as {name}@RATE")
+        cells += [(name, float(rate))] if rate else [(name, lr) for lr in lrs]
+    unknown = sorted({m for m, _ in cells if m not in METHODS})
     if unknown:
         sys.exit(f"study.py: unknown method(s) {unknown}; the fast runner carries {', '.join(METHODS)}")
     if args.task not in TASKS:
         sys.exit(f"study.py: unknown task {args.task!r}; one of {', '.join(TASKS)}")
-    lrs = [float(x) for x in args.lrs.split(",") if x]
-    grid = [(m, lr, s) for s in parse_seeds(args.seeds) for m in methods for lr in lrs]
+    grid = [(m, lr, s) for s in parse_seeds(args.seeds) for m, lr in cells]
     index, count = (int(x) for x in args.shard.split("/"))
     mine = grid[index::count]
     runs_dir = Path(args.runs_dir)
@@ -166,7 +172,7 @@ def main(argv=None) -> int:
     r.add_argument("--phase", required=True, choices=("tuning", "eval"))
     r.add_argument("--task", required=True)
     r.add_argument("--methods", required=True)
-    r.add_argument("--lrs", required=True)
+    r.add_argument("--lrs", default="", help="rates for methods named without @RATE")
     r.add_argument("--seeds", required=True)
     r.add_argument("--steps", type=int, required=True)
     r.add_argument("--shard", default="0/1")

@@ -79,3 +79,18 @@ def test_ablation_methods_change_one_oar_setting_of_oar_g(method, key, value, tm
 
     assert rest(got) == rest(base) and f"trainer.experiment_name={method}_seed1000" in got
     assert "algorithm.adv_estimator=oar_g" in got and "actor_rollout_ref.actor.optim.lr=0.002" in got
+
+
+def test_a_method_at_one_rate_and_refusals(study, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    for seed in (7, 8):  # already finished: the runner skips them (nothing is trained here)
+        for method, lr in (("grpo", 1e-3), ("oar_g", 2e-3)):
+            _write_run(study.run_path(runs, "eval", "fill2", method, lr, seed), 4)
+    assert study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "grpo@1e-3,oar_g@2e-3",
+                       "--seeds", "7,8", "--steps", "4", "--runs-dir", str(runs)]) == 0
+    with pytest.raises(SystemExit, match="has no rate"):
+        study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "grpo", "--seeds", "7", "--steps", "4",
+                    "--runs-dir", str(runs)])
+    with pytest.raises(SystemExit, match="unknown method"):
+        study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "cscr@1e-3", "--seeds", "7",
+                    "--steps", "4", "--runs-dir", str(runs)])
