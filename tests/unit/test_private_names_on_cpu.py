@@ -178,3 +178,23 @@ def test_every_private_name_says_which_patch_of_the_series_replaces_it():
         "_init_dataloader", "_next_train_batch", "_save_checkpoint", "_load_checkpoint", "_gather_and_unpad_packed",
         "prepare_model_outputs", "_compute_advantage", "_compute_old_log_prob", "_init_resource_pool_mgr",
         "TRAINER_REGISTRY", "_ROLLOUT_REGISTRY"}
+
+
+def test_on_verl_0_9_1_the_plugin_trainers_private_names_are_logged():
+    """The positive control of the series' e2e check (an empty log there): on the installed verl 0.9.1 the plugin
+    installs its trainer dispatcher and CoDaSampling's mixin, and the log names what they touch."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, verl\n"
+            "from verl.trainer.ppo.v1 import trainer_base\n"  # the plugin installs its trainer hook on this import
+            "from verl_oar.integration import compat, codapo_sampling, upstream_hook\n"
+            "assert not upstream_hook.available()\n"
+            "codapo_sampling.CoDaSamplingMixin\n"
+            "print(json.dumps(compat.ACCESS_LOG))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {entry.split(":", 1)[0].rsplit(".", 1)[1] for entry in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert names >= {"TRAINER_REGISTRY", "_compute_advantage", "_compute_old_log_prob", "_init_resource_pool_mgr",
+                     "_init_dataloader", "_next_train_batch", "_save_checkpoint", "_load_checkpoint"}, names

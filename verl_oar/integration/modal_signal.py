@@ -4,7 +4,8 @@ old-log-prob pass (no extra model pass).
 verl extension points (checked against verl 0.9.1): the token-signal channel (``signals``) and the actor's
 ``compute_log_prob`` worker call, which the plugin's worker (``worker.OARWorkerMixin``) lets return one more
 field when the batch is marked ``oar_acpo_modal`` (``engines.fsdp.modal``: the top-1 log-prob from the same
-logits; verl's ``log_probs`` and ``entropy`` unchanged). Fields written, nested (bs, response_len) float32:
+logits; verl's ``log_probs`` and ``entropy`` unchanged), or, with the upstream series' patch 0008, verl's own
+logits reducer (``engines.fsdp.logits_reducer``, requested with ``batch.extra_info["logits_reducers"]``). Fields written, nested (bs, response_len) float32:
 
 - ``acpo_surrogate``: H~_t, by ``algorithm.acpo.surrogate``: ``modal`` -log p_max,t (the pass's top-1
   log-prob), ``sampled`` -old_log_prob_t, ``shannon`` verl's entropy H_t;
@@ -46,8 +47,18 @@ def validate_acpo(config) -> None:
 
 
 def prepare_acpo(trainer, batch) -> None:
-    """Before the old-log-prob pass: ask it for the top-1 log-probs too (``surrogate=modal``)."""
-    if ACPOConfig.from_algorithm(trainer.config.algorithm).surrogate == "modal":
+    """Before the old-log-prob pass: ask it for the top-1 log-probs too (``surrogate=modal``): through verl's logits
+    reducer when the run goes through the upstream series' hooks and verl has patch 0008, else by the mark that the
+    plugin's worker reads (``engines.fsdp.modal``)."""
+    if ACPOConfig.from_algorithm(trainer.config.algorithm).surrogate != "modal":
+        return
+    from verl_oar.integration import upstream_hook
+
+    if upstream_hook.uses_logits_reducers():
+        from verl_oar.engines.fsdp.logits_reducer import MODAL_KEY, REQUEST_KEY
+
+        batch.extra_info[REQUEST_KEY] = (MODAL_KEY,)  # removed after the pass (upstream_hook.after_old_log_prob)
+    else:
         batch.extra_info[MODAL_MARK] = True
 
 

@@ -2,7 +2,7 @@
 when the installed verl has them: the plugin then registers its estimators and signal providers through
 verl's public API and neither subclasses verl's trainer nor touches its trainer registry.
 
-The seams (patches 0001 and 0002 of the series):
+The seams, each detected on its own (:func:`seams`):
 
 - ``verl.trainer.ppo.core_algos.register_adv_est(name, extra_fields=...)``: the OAR estimators declare
   their providers' TransferQueue fields; verl's ``_compute_advantage`` fetches them, pads them like
@@ -13,7 +13,17 @@ The seams (patches 0001 and 0002 of the series):
   which refuses the legacy trainer and the async modes too), the OAR worker class (``configure_workers``),
   the providers around the old-log-prob pass (``before_old_log_prob`` / ``after_old_log_prob``: prepare,
   fuse, compute, report, timing) and the per-step state, metrics, guards and dump around the estimator
-  (``advantage_context``).
+  (``advantage_context``), including the fields of an active composer (``codapo.compose``: ``old_log_probs`` and
+  ``rm_scores``, read from TransferQueue like the plugin's trainer does);
+- ``verl.trainer.ppo.train_batch_hooks.register_train_batch_hooks(name, hooks)`` (patch 0007): CoDaSampling
+  (``codapo_train_batch_hooks``) for ``codapo`` and every token estimator (composed), inert unless sampling is on;
+  without 0007 sampling is refused at start-up (it needs the plugin's trainer);
+- ``verl.workers.engine.logits_reducers`` (patch 0008): ACPO's modal surrogate as verl's logits reducer
+  (``engines.fsdp.logits_reducer``, requested by ``modal_signal.prepare_acpo``) instead of the worker wrapping the
+  engine's method.
+
+Through these seams the plugin touches no private verl name (``compat.PRIVATE_NAMES``: each is needed only without
+one of the patches; ``compat.ACCESS_LOG`` records any that is touched).
 """
 
 from __future__ import annotations
@@ -34,6 +44,32 @@ def available() -> bool:
     return hasattr(core_algos, "get_adv_estimator_extra_fields") and hasattr(advantage_hooks, "register_advantage_hooks")
 
 
+def train_batch_hooks_available() -> bool:
+    """True when the imported verl has the train batch hooks (patch 0007)."""
+    try:
+        from verl.trainer.ppo import train_batch_hooks
+    except ImportError:
+        return False
+    return hasattr(train_batch_hooks, "register_train_batch_hooks")
+
+
+def seams() -> dict[str, bool]:
+    """Which seams of the series the imported verl has: ``advantage_hooks`` (0001+0002), ``train_batch_hooks``
+    (0007), ``logits_reducers`` (0008)."""
+    from verl_oar.engines.fsdp import logits_reducer
+
+    return {"advantage_hooks": available(), "train_batch_hooks": train_batch_hooks_available(),
+            "logits_reducers": logits_reducer.available()}
+
+
+def uses_logits_reducers() -> bool:
+    """True when runs go through the advantage hooks and verl has logits reducers: ACPO's modal pass is then verl's
+    reducer (the plugin's trainer, without 0001+0002, keeps the worker's wrapper)."""
+    from verl_oar.engines.fsdp import logits_reducer
+
+    return available() and logits_reducer.available()
+
+
 def install() -> None:
     """Register OAR through verl's hooks (only called when :func:`available`). Idempotent."""
     from verl.trainer.ppo import core_algos
@@ -41,6 +77,16 @@ def install() -> None:
 
     from verl_oar.integration.signals import ESTIMATOR_NEEDS, needed_signals
 
+    if train_batch_hooks_available():
+        from verl.trainer.ppo.train_batch_hooks import get_train_batch_hooks, register_train_batch_hooks
+
+        from verl_oar.integration.codapo_train_batch_hooks import hooks_class
+
+        shared = next((h for h in map(get_train_batch_hooks, ESTIMATOR_NEEDS)
+                       if getattr(h, "verl_oar_codapo_sampling", False)), None) or hooks_class()()
+        for name in ESTIMATOR_NEEDS:
+            if get_train_batch_hooks(name) is not shared:
+                register_train_batch_hooks(name, shared)
     for name in ESTIMATOR_NEEDS:
         fields = tuple(f for provider in needed_signals(name) for f in provider.fields)
         # the same function again, now declaring its fields (verl allows re-registering the same function)
@@ -77,12 +123,13 @@ def _hooks_class():
 
             mode = LEGACY if trainer_mode == "legacy" else trainer_mode
             self.providers = check_token_signals_supported(config, mode)
-            node = config.algorithm.get("codapo", None) or {}
-            if self._verl_oar_estimator == "codapo" and node.get("sampling", True) or node.get("compose", False):
-                raise ValueError("CoDaSampling (algorithm.codapo.sampling) and algorithm.codapo.compose run in verl-oar's "
-                                 "own trainer, which a verl with the upstream patch series does not use. Set "
-                                 "+algorithm.codapo.sampling=false (CoDaPO's weighting alone) and no compose, or use "
-                                 "verl 0.9.1 without the series.")
+            from verl_oar.integration.codapo_sampling import sampling_config
+
+            if sampling_config(config) is not None and not train_batch_hooks_available():
+                raise ValueError("CoDaSampling (algorithm.codapo.sampling) needs verl's train batch hooks (the upstream "
+                                 "series' patch 0007), which this verl lacks (it has the advantage hooks, 0001+0002, so "
+                                 "verl-oar's own trainer is not used). Apply the whole series (upstream/apply.sh), or set "
+                                 "+algorithm.codapo.sampling=false (CoDaPO's weighting alone).")
             self.guards = [p.guard(config) for p in self.providers if p.guard is not None]
 
         def configure_workers(self, role_worker_mapping: dict, config) -> None:
@@ -107,8 +154,12 @@ def _hooks_class():
             self._started = time.perf_counter()
 
         def after_old_log_prob(self, trainer, batch, metrics: dict) -> None:
+            from verl_oar.engines.fsdp.logits_reducer import MODAL_KEY, REQUEST_KEY
+
             for key in [k for k in batch.extra_info if str(k).startswith("oar_")]:
                 batch.extra_info.pop(key, None)
+            if MODAL_KEY in (batch.extra_info.get(REQUEST_KEY) or ()):  # ours (modal_signal.prepare_acpo): this pass only
+                batch.extra_info.pop(REQUEST_KEY)
             if self._fused:  # the signals came with the log-prob pass: report that pass's time
                 metrics["oar/fused_log_prob"] = 1.0
                 for name in self._fused:
@@ -127,14 +178,16 @@ def _hooks_class():
         def advantage_context(self, trainer, batch, metrics: dict):
             from verl_oar.integration.dump import dump_step
             from verl_oar.integration.signals import TokenSignals, provide, real_rows, session_final_rows
+            from verl_oar.integration.trainer import OWN_PREFIXES
 
-            # the tensors arrive as the estimator's keyword arguments (token_estimator.register_estimator ->
-            # signals.keyword_signals adds them to these signals)
-            signals = TokenSignals(tensors={}, step=int(trainer.global_steps), real_rows=real_rows(batch.tags),
+            # the estimator's own fields arrive as its keyword arguments (token_estimator.register_estimator ->
+            # signals.keyword_signals adds them to these signals); an active composer's (codapo.compose) are read here
+            signals = TokenSignals(tensors=composer_fields(trainer.config, self._verl_oar_estimator, batch),
+                                   step=int(trainer.global_steps), real_rows=real_rows(batch.tags),
                                    session_final=session_final_rows(batch.keys))
             with provide(signals):
                 yield signals
-            metrics.update({f"oar/{k}": v for k, v in signals.metrics.items()})
+            metrics.update({k if k.startswith(OWN_PREFIXES) else f"oar/{k}": v for k, v in signals.metrics.items()})
             for guard in self.guards:
                 metrics.update(guard.observe(int(trainer.global_steps), signals.metrics))
             dump_dir = trainer.config.algorithm.get("oar", {}).get("dump_dir", "")
@@ -144,3 +197,19 @@ def _hooks_class():
     _TokenSignalHooks.__module__ = __name__
     _HOOKS_CLASS.append(_TokenSignalHooks)
     return _TokenSignalHooks
+
+
+def composer_fields(config, estimator: str, batch) -> dict:
+    """The TransferQueue fields of the run's active composers (``signals.register_advantage_composer``) that the
+    estimator itself does not declare, for ``batch`` (verl's ``KVBatchMeta``), padded like ``token_level_rewards``
+    (field -> (bs, response_len)); empty when no composer is active."""
+    from verl_oar.integration.signals import needed_signals
+
+    own = {f for p in needed_signals(estimator) for f in p.fields}
+    fields = [f for p in needed_signals(estimator, config.algorithm) for f in p.fields if f not in own]
+    if not fields:
+        return {}
+    import transfer_queue as tq
+
+    padded = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields).to_padded_tensor()
+    return {f: padded[f] for f in fields}

@@ -3,7 +3,8 @@
 ``log p_max,t = max_v z_{t,v} / T - logsumexp_v(z_{t,v} / T)``: the log-probability of the most likely
 next token at every position, at the pass's temperature ``T``, from the logits that pass already holds.
 
-How: for the duration of one ``compute_log_prob`` call, :func:`modal_log_probs` wraps the engine's
+How (verl 0.9.1; with the upstream series' patch 0008 the same reduction runs as verl's logits reducer instead,
+``engines.fsdp.logits_reducer``): for the duration of one ``compute_log_prob`` call, :func:`modal_log_probs` wraps the engine's
 ``prepare_model_outputs`` (verl 0.9.1 ``FSDPEngineWithLMHead``): verl's method runs unchanged, so
 ``log_probs`` and ``entropy`` keep their bits, and the wrapper adds one key, ``MODAL_KEY``, to its output,
 computed from the same raw logits and packed exactly like ``log_probs`` (one nested row per sequence,
@@ -26,6 +27,12 @@ from contextlib import contextmanager
 import torch
 
 __all__ = ["BLOCK_BYTES", "MODAL_KEY", "modal_log_probs", "top1_log_probs"]
+
+GATHER = "verl.workers.engine.fsdp.transformer_impl.FSDPEngine._gather_and_unpad_packed"
+PREPARE = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs"
+"""the verl names the wrapper depends on (``integration.compat.PRIVATE_NAMES``): the caller resolves them through
+compat (this layer may not import it) and passes the gather in; a verl with patch 0008 needs neither
+(``logits_reducer``)"""
 
 MODAL_KEY = "acpo_modal_log_probs"
 """the extra output field of the pass: nested (bs, prompt + response) float32, like verl's ``log_probs``"""
@@ -73,10 +80,12 @@ def _full(logits):
 
 
 @contextmanager
-def modal_log_probs(engine):
-    """Inside the block, ``engine``'s forward passes also return ``MODAL_KEY`` (module docstring)."""
+def modal_log_probs(engine, gather):
+    """Inside the block, ``engine``'s forward passes also return ``MODAL_KEY`` (module docstring). ``gather``:
+    the engine's own ``(values (nnz [/ sp] + pad,), pad_size) -> (nnz,)`` (verl's ``GATHER``), None when it has
+    none."""
     original = getattr(engine, "prepare_model_outputs", None)
-    if original is None or not hasattr(engine, "_gather_and_unpad_packed"):
+    if original is None or gather is None:
         raise RuntimeError(f"algorithm.acpo.surrogate=modal needs verl's FSDP engine (prepare_model_outputs); this "
                            f"worker's engine is {type(engine).__name__}. Use +algorithm.acpo.surrogate=sampled.")
 
@@ -88,7 +97,7 @@ def modal_log_probs(engine):
         if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
             logits = _full(output.logits.squeeze(0))                               # (nnz [/ sp] + pad, V)
             top1 = top1_log_probs(logits, output_args["temperature_rmpad"])
-            top1 = engine._gather_and_unpad_packed(top1, output_args["pad_size"])
+            top1 = gather(top1, output_args["pad_size"])
         else:
             logits = _full(output.logits)                                          # (bs, S, V)
             lengths = offsets.diff().tolist()
