@@ -5,9 +5,17 @@ applied by ``upstream/apply.sh``; then, against that copy (first on ``PYTHONPATH
 1. a subset of verl's own CPU tests and the series' new tests pass;
 2. CPU mode needs no monkeypatch of it (each patch sees verl's public fix and is skipped), and verl's
    ``oar`` estimator (patch 0006) gives verl-oar's own reshaping weights, bit for bit;
-3. a 2-step ``oar_g`` CPU training runs through verl's advantage hooks: the plugin does not install
-   its trainer subclass, the hooks run in verl's own ``PPOTrainerSync``, and the OAR metrics are logged.
-Marked slow: about 2-3 minutes on 2 cores (mostly the training).
+3. every seam the plugin uses, in as few trainer launches as cover them (each costs ~60 s on 2 cores):
+   - ``oar_g`` composed with CoDaPO, CoDaSampling on, 3 steps, a checkpoint after each: the advantage hooks
+     (0001+0002: the trainer is verl's own ``PPOTrainerSync``, OAR's fused pass and metrics), ``codapo.compose``
+     through verl's ``compute_advantage`` (advantages = question value x OAR-G's), CoDaSampling through the train
+     batch hooks (0007: passes 1, 2, 1, step 2 on step 1's top questions, the pending rows in ``trainer_state.pt``);
+   - resumed from its step-1 checkpoint (after a first use) and from its step-2 checkpoint (after a second use),
+     one step each: the resumed step trains exactly as the uninterrupted run's (same rollouts, bit-equal dumps);
+   - ``acpo`` (modal surrogate), 1 step: the top-1 log-probs through verl's logits reducer (0008);
+   and none of them touches a private verl name (``compat``'s access log, written by every process of a run, stays
+   empty) or monkeypatches verl in CPU mode.
+Marked slow: the launches take about 1-2 minutes each on 2 cores.
 """
 
 from __future__ import annotations
@@ -17,8 +25,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import shutil
+
 import pytest
-from _e2e import OAR_KEYS
+import torch
+from _e2e import CONTENT_ORDERED_SAMPLER, OAR_KEYS, compare_dumped_steps
 
 from verl_oar.cpu.launch import read_metrics
 from verl_oar.cpu.overrides import metrics_file
@@ -43,6 +54,13 @@ SERIES_TESTS = (
 )
 HOOK_LINE = "[verl-oar] token signals through verl's advantage hooks in verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync"
 """printed by verl_oar.integration.upstream_hook at the first step, naming the trainer's class"""
+REDUCER_LINE = "[verl-oar] ACPO's modal log-probs through verl's logits reducer"
+"""printed by a worker when it registers ACPO's reducer (verl_oar.engines.fsdp.logits_reducer.ANNOUNCE)"""
+ACCESS_LOG_ENV = "VERL_OAR_PRIVATE_ACCESS_LOG"
+"""verl_oar.integration.compat.ACCESS_LOG_ENV: every process of a run appends each private verl access to this file"""
+COMPARED = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask", "grpo_advantages", "weights",
+            "inner_advantages", "codapo_value", "advantages")
+"""dumped fields a resumed step must reproduce bit for bit"""
 
 
 def _env(patched: Path, **extra: str) -> dict[str, str]:
@@ -60,7 +78,7 @@ def patched_verl(tmp_path_factory) -> Path:
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, f"the upstream series does not apply to the installed verl:\n{proc.stderr}"
-    patches = sorted(p.name for p in SERIES.glob("*.patch"))
+    patches = sorted(p.name for p in SERIES.rglob("*.patch"))  # one folder per pull request, or flat
     log = subprocess.run(["git", "-C", str(dest), "log", "--format=%s"], capture_output=True, text=True, check=True)
     assert len(patches) == 8 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
     return dest
@@ -106,6 +124,11 @@ def test_cpu_mode_applies_no_monkeypatch_to_the_patched_verl(patched_verl):
         "              suppress=trial % 3 != 0, preserve_mass=trial % 4 != 0)\n"
         "    ours = importance_to_weights(imp, mask, ReshapeConfig(**kw), answer_found=found).weights\n"
         "    assert torch.equal(oar_token_weights(imp, mask, found, **kw), ours), trial\n"
+        "from verl_oar.integration import compat, codapo_sampling\n"
+        "from verl.trainer.ppo.train_batch_hooks import get_train_batch_hooks\n"
+        "assert upstream_hook.seams() == dict(advantage_hooks=True, train_batch_hooks=True, logits_reducers=True)\n"
+        "assert get_train_batch_hooks('codapo').verl_oar_codapo_sampling\n"
+        "assert compat.ACCESS_LOG == [], compat.ACCESS_LOG\n"  # CPU mode and the plugin's install: no private name
         "print('OK')\n"
     ).replace("PATCHED", repr(str(patched_verl)))
     proc = subprocess.run([sys.executable, "-c", code], env=_env(patched_verl, VERL_PLATFORM="cpu"),
@@ -113,24 +136,114 @@ def test_cpu_mode_applies_no_monkeypatch_to_the_patched_verl(patched_verl):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.slow
-def test_oar_g_trains_through_verls_advantage_hooks(patched_verl, cpu_workspace_dir, tmp_path):
-    experiment = "e2e_upstream_series"
-    log = tmp_path / "log"
+def _launch(patched: Path, workspace: Path, run: Path, experiment: str, steps: int, estimator: str, *extra: str):
+    """One CPU training with the patched verl first on PYTHONPATH; returns (returncode, log text, metric records)."""
+    run.mkdir(parents=True, exist_ok=True)
+    log = run / "log"
     with open(log, "w") as fp:
         proc = subprocess.run(
-            [sys.executable, "-m", "verl_oar.cpu.launch", "--workdir", str(cpu_workspace_dir), "--steps", "2",
-             "--adv-estimator", "oar_g", "--experiment-name", experiment, "--timeout", "330"],
-            env=_env(patched_verl), stdout=fp, stderr=subprocess.STDOUT, timeout=360, check=False,
+            [sys.executable, "-m", "verl_oar.cpu.launch", "--workdir", str(workspace), "--steps", str(steps),
+             "--adv-estimator", estimator, "--experiment-name", experiment, "--timeout", "330",
+             f"++algorithm.oar.dump_dir={run / 'dump'}", f"trainer.rollout_data_dir={run / 'rollouts'}", *extra],
+            env=_env(patched, **{ACCESS_LOG_ENV: str(run / "private_access.log")}), stdout=fp,
+            stderr=subprocess.STDOUT, timeout=360, check=False,
         )
     text = log.read_text()
-    assert proc.returncode == 0, text[-6000:]
-    assert HOOK_LINE in text, text[-6000:]
+    return proc.returncode, text, read_metrics(metrics_file(workspace, experiment))
+
+
+def _no_private_access(run: Path) -> None:
+    path = run / "private_access.log"
+    assert not path.exists() or not path.read_text().strip(), path.read_text()
+
+
+CODAPO_SAMPLING = ("+algorithm.codapo.compose=true", *CONTENT_ORDERED_SAMPLER)
+
+
+@pytest.fixture(scope="module")
+def compose_run(patched_verl, cpu_workspace_dir, tmp_path_factory):
+    """oar_g x CoDaPO with CoDaSampling, 3 steps, a checkpoint after each (the run the resumes start from)."""
+    run = tmp_path_factory.mktemp("series_compose")
+    rc, text, records = _launch(patched_verl, cpu_workspace_dir, run, "e2e_series_compose", 3, "oar_g",
+                                *CODAPO_SAMPLING, "trainer.save_freq=1", f"trainer.default_local_dir={run / 'ckpt'}")
+    return run, rc, text, records
+
+
+@pytest.mark.slow
+def test_oar_g_composed_with_codapo_sampling_trains_through_the_series_hooks(compose_run):
+    from verl_oar.core.codapo import select_questions
+
+    run, rc, text, records = compose_run
+    assert rc == 0, text[-6000:]
+    assert HOOK_LINE in text, text[-6000:]                    # advantage hooks (0001+0002) in verl's own trainer
     assert "OARTrainerSync" not in text
-    records = read_metrics(metrics_file(cpu_workspace_dir, experiment))
-    assert [r["step"] for r in records] == [1, 2]
+    _no_private_access(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["data"]["codapo/sampling/pass"] for r in records] == [1.0, 2.0, 1.0]  # train batch hooks (0007)
     for record in records:
-        missing = [k for k in OAR_KEYS if k not in record["data"]]
+        data = record["data"]
+        missing = [k for k in OAR_KEYS if k not in data]
         assert not missing, missing
-        assert record["data"]["oar/fused_log_prob"] == 1.0  # the signal came with verl's old-log-prob pass
-        assert record["data"]["oar/weight/max"] > 1.0  # something was amplified: the estimator got the fields
+        assert data["oar/fused_log_prob"] == 1.0  # the signal came with verl's old-log-prob pass
+        assert "codapo/value/mean" in data and "codapo/sampling/rollouts" in data  # CoDaPO's own prefix
+    assert any(r["data"]["oar/weight/max"] > 1.0 for r in records)  # something was amplified: the fields arrived
+    for step in (1, 2, 3):  # compose through verl's compute_advantage: A = v_q x OAR-G's A x w
+        d = torch.load(run / "dump" / f"step_{step}.pt")
+        mask = d["response_mask"].bool()
+        inner = d["grpo_advantages"] * d["weights"] * mask
+        torch.testing.assert_close(d["inner_advantages"], inner, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(d["advantages"], d["codapo_value"][:, None] * inner, atol=1e-6, rtol=1e-5)
+    first, second = (torch.load(run / "dump" / f"step_{s}.pt") for s in (1, 2))
+    uids1 = [str(k).split("_")[0] for k in first["keys"]]
+    by_uid = {u: (float(v), tuple(p)) for u, v, p in zip(uids1, first["codapo_value"], first["prompts"])}
+    order = list(dict.fromkeys(uids1))
+    chosen = {by_uid[order[i]][1] for i in select_questions([by_uid[u][0] for u in order], 0.75)}
+    refocused = {tuple(p) for p in second["prompts"]}         # step 2 = step 1's top questions, 4 copies each,
+    assert refocused <= chosen and len(refocused) == min(len(chosen), -(-len(order) // 4))  # to the batch size
+    uids2 = {str(k).split("_")[0] for k in second["keys"]}
+    assert len(uids2) == len(order) and not uids2 & set(uids1)  # each copy a group of its own
+    ckpt = run / "ckpt"
+    assert [(ckpt / f"global_step_{s}" / "trainer_state.pt").exists() for s in (1, 2, 3)] == [True, False, True]
+    assert not list(ckpt.rglob("codapo_sampling.pt"))         # the plugin trainer's sidecar is not used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [1, 2], ids=["after_a_first_use", "after_a_second_use"])
+def test_a_resumed_codapo_sampling_run_trains_the_next_step_as_the_uninterrupted_one(
+    compose_run, patched_verl, cpu_workspace_dir, tmp_path, step
+):
+    straight, rc, text, _ = compose_run
+    assert rc == 0, text[-3000:]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "ckpt" / f"global_step_{step}", resumed / "ckpt" / f"global_step_{step}")
+    rc, text, records = _launch(
+        patched_verl, cpu_workspace_dir, resumed, f"e2e_series_resume_{step}", step + 1, "oar_g", *CODAPO_SAMPLING,
+        f"trainer.default_local_dir={resumed / 'ckpt'}", "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={resumed / 'ckpt' / f'global_step_{step}'}",
+    )
+    assert rc == 0, text[-6000:]
+    _no_private_access(resumed)
+    assert [r["step"] for r in records] == [step + 1], text[-3000:]
+    assert records[0]["data"]["codapo/sampling/pass"] == (2.0 if step == 1 else 1.0)
+    diffs = compare_dumped_steps(straight, resumed, steps=(step + 1,), fields=COMPARED)  # bit-equal
+    print(f"resumed after step {step}: max |difference| per field", diffs)
+
+
+@pytest.mark.slow
+def test_acpo_modal_surrogate_through_verls_logits_reducer(patched_verl, cpu_workspace_dir, tmp_path):
+    from verl_oar.core.acpo import ACPOConfig, acpo_advantages
+    from verl_oar.integration.estimators import sequence_values
+
+    rc, text, records = _launch(patched_verl, cpu_workspace_dir, tmp_path, "e2e_series_acpo", 1, "acpo")
+    assert rc == 0, text[-6000:]
+    assert HOOK_LINE in text and REDUCER_LINE in text, text[-6000:]
+    _no_private_access(tmp_path)
+    assert [r["step"] for r in records] == [1]
+    data = records[0]["data"]
+    assert data["acpo/sign_violations"] == 0 and data["acpo/entropy_gap/mean"] >= 0 and "acpo/surrogate/mean" in data
+    d = torch.load(tmp_path / "dump" / "step_1.pt")
+    mask = d["response_mask"].bool()
+    h = d["acpo_surrogate"]
+    assert (h[mask] >= -1e-5).all() and (h[mask] <= d["acpo_entropy"][mask] + 1e-4).all()  # 0 <= -log p_max <= H
+    expected = acpo_advantages(h, sequence_values(d["grpo_advantages"], mask), mask, ACPOConfig()).advantages
+    torch.testing.assert_close(d["advantages"], expected * mask, atol=1e-6, rtol=1e-5)

@@ -140,3 +140,31 @@ def test_the_hooks_schedule_exactly_as_the_mixin_and_resume_after_odd_and_even_s
     proc = subprocess.run([sys.executable, "-c", CHECK.replace("PATCHED", repr(str(patched_verl)))], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+METRICS_CHECK = r'''
+import verl
+assert verl.__file__.startswith(PATCHED), verl.__file__
+from types import SimpleNamespace
+from omegaconf import OmegaConf
+from verl.trainer.ppo import core_algos  # the plugin registers its estimators and hooks on this import
+from verl.trainer.ppo.advantage_hooks import get_advantage_hooks
+
+trainer = SimpleNamespace(global_steps=3, config=OmegaConf.create({"algorithm": {"adv_estimator": "acpo"}}))
+batch = SimpleNamespace(keys=["u1_0_0", "u2_0_0"], tags=[{}, {}])
+metrics = {}
+with get_advantage_hooks("acpo").advantage_context(trainer, batch, metrics) as signals:
+    signals.metrics.update({"acpo/frac_clipped": 0.25, "weight/max": 2.0, "codapo/value/mean": 1.0})
+assert metrics == {"acpo/frac_clipped": 0.25, "oar/weight/max": 2.0, "codapo/value/mean": 1.0}, metrics
+print("OK")
+'''
+
+
+def test_estimator_metrics_keep_their_methods_prefix_through_the_advantage_hooks(patched_verl):
+    """As the plugin trainer logs them (``trainer.OWN_PREFIXES``): ``acpo/*``, ``codapo/*`` ... under their own name,
+    the rest under ``oar/`` (the hooks logged ``oar/acpo/...`` before)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_verl), os.environ.get("PYTHONPATH", "")])}
+    env.pop("VERL_PLATFORM", None)
+    proc = subprocess.run([sys.executable, "-c", METRICS_CHECK.replace("PATCHED", repr(str(patched_verl)))], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
