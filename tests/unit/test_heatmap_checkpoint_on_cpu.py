@@ -3,8 +3,9 @@ with verl's own ``FSDPCheckpointManager`` (the actor's ``global_step_N/actor`` l
 ``fsdp_config.json``, ``huggingface/``), ``python -m verl.model_merger merge --backend fsdp`` turns it into a Hugging
 Face folder, and ``python -m verl_oar.tools.heatmap --model <that folder>`` scores it.
 
-Slow (about 75 s on 2 shared cores: two processes import verl and torch.distributed, then the merger imports verl
-again): marked ``slow``. verl 0.9.1's merger casts every shard to bfloat16, so the merged weights are the saved ones
+One process imports verl once, forks the two ranks (they inherit its imports) and, once they have saved, runs
+``python -m verl.model_merger`` in itself (``runpy``, as ``-m`` does); as three processes each importing verl it took
+about 75 s on 2 shared cores. Marked ``slow``. verl 0.9.1's merger casts every shard to bfloat16, so the merged weights are the saved ones
 rounded to bfloat16 (checked exactly)."""
 
 from __future__ import annotations
@@ -44,7 +45,16 @@ SAVE = textwrap.dedent('''
         dist.destroy_process_group()
 
     if __name__ == "__main__":
-        mp.spawn(worker, args=(2, sys.argv[1], sys.argv[2], sys.argv[3]), nprocs=2)
+        import runpy
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (imported once, before the fork)
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager  # noqa: F401
+
+        model_dir, out, port, merged = sys.argv[1:5]
+        mp.start_processes(worker, args=(2, model_dir, out, port), nprocs=2, start_method="fork")
+        print("SAVED", flush=True)
+        sys.argv = ["verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", out, "--target_dir", merged]
+        runpy.run_module("verl.model_merger", run_name="__main__", alter_sys=True)  # python -m verl.model_merger
 ''')
 
 
@@ -80,15 +90,12 @@ def test_verl_fsdp_checkpoint_merged_by_verls_merger_loads_in_the_heatmap(tmp_pa
     save_model_dir(model, tokenizer, tmp_path / "model")
     actor = tmp_path / "ckpt" / "global_step_1" / "actor"
     (tmp_path / "save.py").write_text(SAVE)
-    saved = subprocess.run([sys.executable, str(tmp_path / "save.py"), str(tmp_path / "model"), str(actor), _free_port()],
-                           capture_output=True, text=True, timeout=600)
-    assert saved.returncode == 0, saved.stderr[-3000:]
+    done = subprocess.run([sys.executable, str(tmp_path / "save.py"), str(tmp_path / "model"), str(actor), _free_port(),
+                           str(tmp_path / "hf")], capture_output=True, text=True, timeout=600)
+    assert "SAVED" in done.stdout, done.stderr[-3000:]  # the two ranks saved
     assert sorted(p.name for p in actor.iterdir()) == ["fsdp_config.json", "huggingface", "model_world_size_2_rank_0.pt",
                                                        "model_world_size_2_rank_1.pt"]
-    merged = subprocess.run([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir",
-                             str(actor), "--target_dir", str(tmp_path / "hf")], capture_output=True, text=True, timeout=600)
-    assert merged.returncode == 0, merged.stderr[-3000:]
-
+    assert done.returncode == 0, done.stderr[-3000:]  # the merger
     original = model.state_dict()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
     assert set(loaded) == set(original)
