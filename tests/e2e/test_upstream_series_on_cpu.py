@@ -177,6 +177,7 @@ def test_oar_g_composed_with_codapo_sampling_trains_through_the_series_hooks(com
     assert rc == 0, text[-6000:]
     assert HOOK_LINE in text, text[-6000:]                    # advantage hooks (0001+0002) in verl's own trainer
     assert "OARTrainerSync" not in text
+    assert "[verl-oar] memory estimate per GPU" in text        # the plugin trainer's start-up check, through the hooks
     _no_private_access(run)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["data"]["codapo/sampling/pass"] for r in records] == [1.0, 2.0, 1.0]  # train batch hooks (0007)

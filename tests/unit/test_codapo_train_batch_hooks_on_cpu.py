@@ -168,3 +168,33 @@ def test_estimator_metrics_keep_their_methods_prefix_through_the_advantage_hooks
     proc = subprocess.run([sys.executable, "-c", METRICS_CHECK.replace("PATCHED", repr(str(patched_verl)))], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+STARTUP_CHECK = r'''
+import sys
+sys.path.insert(0, TESTS)
+import verl
+assert verl.__file__.startswith(PATCHED), verl.__file__
+from _verl_config import compose_ppo_config
+from verl.trainer.ppo import core_algos  # the plugin registers its estimators and hooks on this import
+from verl.trainer.ppo.advantage_hooks import get_advantage_hooks
+from verl_oar.cpu.overrides import cpu_overrides
+
+config = compose_ppo_config(cpu_overrides("/ws", adv_estimator="oar_g") + ["+algorithm.codapo.compose=true"])
+hooks = get_advantage_hooks("oar_g")
+hooks.validate(config, "sync")               # compose and CoDaSampling are not refused with the series
+hooks.configure_workers({}, config)
+assert "oar_memory" in config.actor_rollout_ref, list(config.actor_rollout_ref)
+print("OK")
+'''
+
+
+def test_the_hooks_start_a_run_as_the_plugin_trainer_does_memory_check_included(patched_verl):
+    """``validate`` prints the memory estimate and ``configure_workers`` hands the workers their memory check, as
+    ``trainer.OARTrainerSync`` does (the hooks skipped both before); compose with CoDaSampling passes start-up."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_verl), os.environ.get("PYTHONPATH", "")])}
+    env.pop("VERL_PLATFORM", None)
+    code = STARTUP_CHECK.replace("PATCHED", repr(str(patched_verl))).replace("TESTS", repr(str(ROOT / "tests")))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "[verl-oar] memory estimate per GPU" in proc.stdout, proc.stdout[-3000:]

@@ -130,6 +130,11 @@ def _hooks_class():
                                  "series' patch 0007), which this verl lacks (it has the advantage hooks, 0001+0002, so "
                                  "verl-oar's own trainer is not used). Apply the whole series (upstream/apply.sh), or set "
                                  "+algorithm.codapo.sampling=false (CoDaPO's weighting alone).")
+            if self.providers:  # the pass's memory per GPU (memory_check), as the plugin trainer: a bad value stops
+                from verl_oar.integration.memory_check import check_action, log_startup_estimate
+
+                check_action()
+                log_startup_estimate(config)
             self.guards = [p.guard(config) for p in self.providers if p.guard is not None]
 
         def configure_workers(self, role_worker_mapping: dict, config) -> None:
@@ -137,6 +142,9 @@ def _hooks_class():
 
             ref_scores = (config.algorithm.get("oar", None) or {}).get("importance_model", "actor") == "ref"
             with_oar_worker(role_worker_mapping, self._verl_oar_estimator, ref_scores=ref_scores)
+            from verl_oar.integration.memory_check import attach_memory_check
+
+            attach_memory_check(config)  # what each worker compares with its GPU once its models are built
             for provider in self.providers:
                 if provider.attach is not None:
                     provider.attach(config)
