@@ -4,7 +4,7 @@ summary; that nothing on the script's path imports verl; that a check not run sa
 
 About 45 s on 2 shared cores (27 s for the main run: torch + transformers imports ~10 s, then the eight checks at
 tiny sizes, the exactness check's naive loops and the two cost rows most of it; ~7 s for each of two short
-processes); up to ~65 s while other test runs share the cores."""
+processes, now one process shared by the last two tests); up to ~65 s while other test runs share the cores."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["oar_p_exact", "oar_g_noise_device", "oar_cost_1.5b", "acpo_top1", "privileged_noise_floor",
@@ -65,47 +67,55 @@ def test_every_check_runs_at_tiny_sizes_and_reports(tmp_path):
     assert "8 ok, 0 failed, 0 skipped of 8" in text[0] and len(text) == 1 + len(CHECKS)
 
 
-def test_checks_not_run_say_why_and_verl_is_refused(tmp_path):
-    """One process: the import guard (a check that imported verl fails here as on the device machine), an unknown
-    ``--only`` name refused with the list, and ``--only`` running one check, the others skipped with the reason."""
-    out = tmp_path / "one.json"
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_acceptance as g\n"
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory):
+    """One process for the two tests below (each process start imports torch and transformers): first the import
+    guard, an unknown ``--only`` name and ``--only`` one check; then ``--budget-s 1`` and a runner whose one check
+    overruns its budget. Returns (the finished process, {name: JSON path})."""
+    tmp = tmp_path_factory.mktemp("acceptance")
+    paths = {name: tmp / f"{name}.json" for name in ("one", "none", "stopped")}
+    code = ("import sys, time; sys.path.insert(0, 'benchmarks'); import gpu_acceptance as g\n"
             "try:\n    import verl.utils\nexcept ModuleNotFoundError as e:\n    print('REFUSED', e)\n"
             "try:\n    g.main(['--tiny', '--only', 'no_such_check'])\n"
             "except SystemExit as e:\n    print('EXIT', e.code)\n"
-            "print('RC', g.main(['--tiny', '--only', 'oar_g_noise_device', '--out', sys.argv[1]]))\n")
+            "print('RC-ONLY', g.main(['--tiny', '--only', 'oar_g_noise_device', '--out', sys.argv[1]]))\n"
+            "print('RC', g.main(['--tiny', '--budget-s', '1', '--out', sys.argv[2]]))\n"
+            "def slow(ctx):\n    ctx.partial['first_row'] = 1.5\n    time.sleep(60)\n"
+            "g.CHECKS[:] = [g.Check('slow', 1, 'overruns', slow)]\n"
+            "t = time.monotonic()\n"
+            "print('RC', g.main(['--tiny', '--budget-s', str(t - g.START + 2), '--out', sys.argv[3]]))\n")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run([sys.executable, "-c", code, *(str(p) for p in paths.values())], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    return proc, paths
+
+
+def test_checks_not_run_say_why_and_verl_is_refused(short_runs):
+    """The import guard (a check that imported verl fails here as on the device machine), an unknown ``--only`` name
+    refused with the list, and ``--only`` running one check, the others skipped with the reason."""
+    proc, paths = short_runs
+    out = paths["one"]
     assert "REFUSED" in proc.stdout and "verl_oar.core" in proc.stdout, proc.stdout + proc.stderr
     assert "EXIT 2" in proc.stdout and "unknown check(s)" in proc.stderr and "oar_p_exact" in proc.stderr
-    assert "RC 0" in proc.stdout, proc.stdout + proc.stderr
+    assert "RC-ONLY 0" in proc.stdout, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     _entries_well_formed(report)
     assert [n for n, e in report["checks"].items() if e["status"] == "ok"] == ["oar_g_noise_device"]
     assert all(e["reason"] == "not selected (--only)" for n, e in report["checks"].items() if n != "oar_g_noise_device")
 
 
-def test_budget_skips_what_no_longer_fits_and_stops_an_overrunning_check_keeping_its_rows(tmp_path):
-    """One process: ``--budget-s 1`` starts no check (each skipped, the summary's retry line lists them all); then a
-    runner whose one check overruns the budget: stopped by the alarm, reported failed with the rows it had."""
-    none, stopped = tmp_path / "none.json", tmp_path / "stopped.json"
-    code = ("import sys, time; sys.path.insert(0, 'benchmarks'); import gpu_acceptance as g\n"
-            "print('RC', g.main(['--tiny', '--budget-s', '1', '--out', sys.argv[1]]))\n"
-            "def slow(ctx):\n    ctx.partial['first_row'] = 1.5\n    time.sleep(60)\n"
-            "g.CHECKS[:] = [g.Check('slow', 1, 'overruns', slow)]\n"
-            "t = time.monotonic()\n"
-            "print('RC', g.main(['--tiny', '--budget-s', str(t - g.START + 2), '--out', sys.argv[2]]))\n")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run([sys.executable, "-c", code, str(none), str(stopped)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.stdout.count("RC") == 2 and "RC 0" in proc.stdout and "RC 1" in proc.stdout, proc.stdout + proc.stderr
+def test_budget_skips_what_no_longer_fits_and_stops_an_overrunning_check_keeping_its_rows(short_runs):
+    """``--budget-s 1`` starts no check (each skipped, the summary's retry line lists them all); then a runner whose
+    one check overruns the budget: stopped by the alarm, reported failed with the rows it had."""
+    proc, paths = short_runs
+    none, stopped = paths["none"], paths["stopped"]
+    assert proc.stdout.count("RC ") == 2 and "RC 0" in proc.stdout and "RC 1" in proc.stdout, proc.stdout + proc.stderr
     report = json.loads(none.read_text())
     _entries_well_formed(report)
     assert all(e["status"] == "skipped" and e["reason"].startswith("not started:") for e in report["checks"].values())
     text = none.with_suffix(".txt").read_text()
     assert "0 ok, 0 failed, 8 skipped of 8" in text
-    retry = f"retry: bash scripts/gpu_acceptance.sh --only {','.join(CHECKS)} --out {tmp_path / 'none'}_retry.json"
+    retry = f"retry: bash scripts/gpu_acceptance.sh --only {','.join(CHECKS)} --out {none.parent / 'none'}_retry.json"
     assert retry in text
     entry = json.loads(stopped.read_text())["checks"]["slow"]
     assert entry["status"] == "failed" and entry["reason"].startswith("stopped: ran past"), entry

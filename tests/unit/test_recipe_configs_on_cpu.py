@@ -6,6 +6,7 @@ tests/e2e/test_resume_on_cpu.py (OAR-G) and tests/e2e/test_privileged_e2e_on_cpu
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import subprocess
@@ -45,7 +46,7 @@ def test_recipe_composes_and_passes_verls_validation_and_oars_startup_checks(nam
     from verl_oar.integration import acpo_estimator, codapo_estimator, estimators, privileged_estimators  # noqa: F401
     from verl_oar.integration.validate import check_token_signals_supported
 
-    config = compose_recipe(name)
+    config = copy.deepcopy(_composed(name))  # composed once for this module's tests; the checks may write to it
     validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # what the workers build
     omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
