@@ -21,12 +21,25 @@ E2E_LONGEST_FIRST = (
 """the trainer-launch modules, longest first (3, 3, 2, 2, 1 + verl's tests, 1 and 1 launches; about 300, 280, 175,
 170, 170, 95 and 85 s in the full run on 2 cores of an AMD EPYC)"""
 
+HEAVY_NON_LAUNCH_FIRST = (
+    "unit/test_upstream_prs_on_cpu.py", "unit/test_fast_runner_on_cpu.py", "engine-checks",
+    "unit/test_recipe_configs_on_cpu.py", "unit/test_trainer_hook_on_cpu.py", "unit/test_gpu_acceptance_on_cpu.py",
+    "engine/test_engine_multirank_on_cpu.py", "unit/test_memory_estimate_on_cpu.py",
+    "unit/test_heatmap_checkpoint_on_cpu.py", "unit/test_check_on_cpu.py", "unit/test_demo_on_cpu.py",
+    "unit/test_batch_scale_on_cpu.py", "unit/test_compare_long_run_on_cpu.py",
+)
+"""after the launches, the work units that take longest without one (roughly longest first, from a --durations
+profile on 2 cores; slow tests included): handed out before the many short modules, so that no long module is left
+to one worker at the end while the other idles"""
+
 SHARED_SESSION_FIXTURES = {
     "unit/test_import_graph_on_cpu.py": "fresh-interpreters",
     "engine/test_verls_own_tests_with_the_plugin_on_cpu.py": "fresh-interpreters",
     "engine/test_cpu_mode_on_cpu.py": "fresh-interpreters",
     "engine/test_engine_importance_on_cpu.py": "engine-checks",
     "engine/test_engine_perturbation_on_cpu.py": "engine-checks",
+    "engine/test_engine_privileged_on_cpu.py": "engine-checks",
+    "engine/test_engine_modal_on_cpu.py": "engine-checks",
 }
 """modules whose tests share a session fixture that costs seconds (``plugin_process``, ``cpu_mode_process``,
 ``engine_cases``): one work unit, so that one worker computes it once"""
@@ -43,10 +56,10 @@ def pytest_collection_modifyitems(config, items):
     """Serially (``pytest tests``): the slow tests (the trainer launches of tests/e2e, the 2^25-token batch-scale
     test) run last, so every quick test has answered first, and the session's shared Ray cluster
     (tests/e2e/conftest.py) is up only while they run. In xdist workers (``bash scripts/test.sh`` runs two):
-    the launches first, longest first, so that the two workers end together (``ModuleScheduling`` hands out
-    work units in this order)."""
+    the launches first, longest first, then the longest units without a launch, so that the two workers end
+    together (``ModuleScheduling`` hands out work units in this order)."""
     if hasattr(config, "workerinput"):  # an xdist worker (only workers collect)
-        rank = {m: i for i, m in enumerate(E2E_LONGEST_FIRST)}
+        rank = {m: i for i, m in enumerate(E2E_LONGEST_FIRST + HEAVY_NON_LAUNCH_FIRST)}
         items.sort(key=lambda item: rank.get(_work_unit(item.path.relative_to(TESTS).as_posix()), len(rank)))
     else:
         items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: order kept otherwise
