@@ -52,6 +52,14 @@ scoring unrefined tokens (``core.hierarchical.FILLS``). Compute is shared: the s
 pass; the costs reported are what each configuration scores on its own (``HierarchicalStats.occlusions``).
 ``target`` per family: the configurations at mean passes <= 0.1, the best chunk and hierarchical one by mean
 recall@0.1, and whether one reaches mean recall@0.1 >= 0.95 (``TARGET``).
+
+fill32 (``--testbed verl_oar/testbed/variants/fill32 --long-lengths '' --samples 48``;
+``results_hierarchical_quality_fill32_cpu.json``, 686 s on 2 shared cores): R = 388 on every response, inside
+the model's context and at the length it was trained on; it solves the task there (answer probability 0.999,
+40% right as sampled) and exact's top 2 are the two picks on 46/48 sequences, which hold ~99% of all |importance|.
+At <= 0.1 R copies no configuration reaches recall@0.1 0.95 (best hierarchical K=8 m=2 u=4 share 0.359
+[0.334, 0.383], best chunk K=32 0.292 [0.277, 0.306]; no sequence >= 0.95), though both hold the picks in their
+top 10% (mass@0.1 0.996); singling out both picks takes single-token refinement: K=32 m=2 u=1, 0.144 R, 45/48.
 """
 
 from __future__ import annotations
