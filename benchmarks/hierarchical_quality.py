@@ -68,6 +68,7 @@ import argparse
 import json
 import math
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -461,7 +462,7 @@ def main(argv=None) -> dict:
     except ValueError:
         where = str(bed.root)
     report = {
-        "command": "python " + " ".join(["benchmarks/hierarchical_quality.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": "python " + shlex.join(["benchmarks/hierarchical_quality.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine_info(),
         "model": f"{where}/model ({cfg.num_hidden_layers}-layer Qwen2, hidden {cfg.hidden_size}, byte tokenizer, "
                  f"context {context}), float32, 1 thread",

@@ -78,3 +78,15 @@ def test_top2_are_picks():
     tied = torch.tensor([9.0, 0, 1, 1, 1, 0, 9, 9])  # a tie at second place: the picks are not singled out
     assert hq.top2_are_picks(tied, seq) is False
     assert hq.top2_are_picks(noise, hq.Sequence_(ids, reasoning, answer, "t", None)) is None
+
+
+def test_recorded_command_reruns_as_written(tmp_path):
+    """The report's command quotes its arguments (an empty --long-lengths once came out bare, so the recorded
+    command could not be pasted back)."""
+    import shlex
+
+    out = tmp_path / "r.json"
+    report = hq.main(["--testbed", str(FILL32), "--samples", "0", "--long-lengths", "", "--out", str(out), "--plot", ""])
+    assert report["families"] == {} and report["long_skipped"] == {}
+    args = shlex.split(report["command"])[2:]
+    assert args[args.index("--long-lengths") + 1] == "" and args[args.index("--samples") + 1] == "0"
