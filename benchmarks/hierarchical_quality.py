@@ -28,7 +28,7 @@ Sequences:
     is skipped (and listed under ``long_skipped``) when its sequences do not fit the model's context
     (``max_position_embeddings``) or are no longer than the testbed's own responses (``max_response_tokens``):
     on fill32 every default length is skipped, and family (a) is the long measurement on a model trained on
-    those lengths (it solves the task there: the report's ``answer_prob`` and ``correct``).
+    those lengths (there its answer follows its picks: the report's ``answer_prob``).
 
 Per family, whether exact importance lands on the picks: ``exact_top2_are_picks`` = the share of sequences
 with exactly two pick tokens (the ``causal`` oracle of family (a); the two digits placed in (b)) whose two
@@ -40,7 +40,7 @@ Per configuration and sequence: ``passes`` = occluded copies / R (exact = 1; the
 ``recall@f`` = the fraction of exact mode's top-f tokens (``importance_quality.top_fraction_mask``, ties broken
 by a seeded random permutation) that are in the method's top-f; ``mass@0.1`` = the same recall weighted by
 |exact importance| (the share of the top-10%'s |importance| that the method's top-10% holds: on fill32 the two
-picks carry ~99% of all |importance| and the other ~37 tokens of the top 10% are ~1e-5..1e-2 of a pick, so
+picks carry a median 99.7% of all |importance| and the other ~37 tokens of the top 10% are ~1e-5..1e-2 of a pick, so
 recall@0.1 there is mostly agreement on near-zero tokens); ``spearman`` = rank correlation with exact
 over the reasoning tokens (average ranks for ties). Summaries over sequences: mean with a 95% bootstrap CI
 (2000 resamples), median, and the share of sequences with recall@0.1 >= 0.95.
@@ -55,8 +55,9 @@ recall@0.1, and whether one reaches mean recall@0.1 >= 0.95 (``TARGET``).
 
 fill32 (``--testbed verl_oar/testbed/variants/fill32 --long-lengths '' --samples 48``;
 ``results_hierarchical_quality_fill32_cpu.json``, 686 s on 2 shared cores): R = 388 on every response, inside
-the model's context and at the length it was trained on; it solves the task there (answer probability 0.999,
-40% right as sampled) and exact's top 2 are the two picks on 46/48 sequences, which hold ~99% of all |importance|.
+the model's context and at the length it was trained on; its answer follows its picks (answer probability
+0.999; 40% of the sampled answers right: the warm start picks the larger digit ~47% of the time) and exact's top 2 are the two picks on 46/48 sequences (the other 2: both picks the same
+digit, so either copy stands in for the other), which hold 98% of all |importance| (mean; median 99.7%).
 At <= 0.1 R copies no configuration reaches recall@0.1 0.95 (best hierarchical K=8 m=2 u=4 share 0.359
 [0.334, 0.383], best chunk K=32 0.292 [0.277, 0.306]; no sequence >= 0.95), though both hold the picks in their
 top 10% (mass@0.1 0.996); singling out both picks takes single-token refinement: K=32 m=2 u=1, 0.144 R, 45/48.
