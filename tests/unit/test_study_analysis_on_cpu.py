@@ -125,3 +125,14 @@ def test_a_cell_whose_runs_all_crashed_counts_every_run_censored():
     tuned = sa.tune(runs, "x")
     assert tuned["grpo"]["grid"]["0.004"]["mean_steps"] == 33 and tuned["grpo"]["grid"]["0.004"]["censored"] == 5
     assert tuned["grpo"]["lr"] == 0.001
+
+
+def test_a_crashed_run_counts_censored_in_steps_and_leaves_the_auc_comparisons():
+    seeds = list(range(2000, 2008))
+    base = {s: _run("eval", "x", "grpo", 1, s, 8 + s % 3, steps=16, auc=0.5 + (s % 4) / 10) for s in seeds}
+    meth = {s: _run("eval", "x", "oar_g", 1, s, 7 + s % 2, steps=16, auc=0.6 + (s % 3) / 10) for s in seeds}
+    meth[2003] = {"phase": "eval", "task": "x", "method": "oar_g", "lr": 1, "seed": 2003, "steps": 16, "error": "x"}
+    c = sa.compare_cells(meth, base, level=0.95)
+    assert c["errors"] == 1 and c["censored"] == 1 / 8 and c["mean_steps"] == pytest.approx(
+        (sum(7 + s % 2 for s in seeds if s != 2003) + 17) / 8)
+    assert c["auc_diff"]["n"] == 7 and c["sd_ratio_auc"]["n"] == 7 and c["sd_ratio_steps"]["n"] == 8

@@ -110,7 +110,7 @@ def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *,
             if sb == 0:
                 raise statistics.StatisticsError("baseline standard deviation 0 in this resample")
             return statistics.stdev(values_m[i] for i in idx) / sb
-        return bootstrap(list(range(len(seeds))), statistic=stat, resamples=RESAMPLES, seed=RNG_SEED).as_dict()
+        return bootstrap(list(range(len(values_m))), statistic=stat, resamples=RESAMPLES, seed=RNG_SEED).as_dict()
 
     index = list(range(len(seeds)))
     paired = [(x["auc"], y["auc"], x["final"], y["final"]) for x, y in zip(m, b)]

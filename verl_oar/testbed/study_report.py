@@ -33,7 +33,7 @@ def _label(method: str) -> str:
 def _iv(iv: dict, pct: bool = False, digits: int = 2) -> str:
     def f(x):
         return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else (
-            f"{100 * x:+.0f}%" if pct else f"{x:+.{digits}f}")
+            f"{100 * x:+.1f}%" if pct else f"{x:+.{digits}f}")
     return f"{f(iv['estimate'])} [{f(iv['low'])}, {f(iv['high'])}]"
 
 
