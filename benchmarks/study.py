@@ -3,7 +3,7 @@
     python benchmarks/study.py run --phase tuning --task fill2 --methods grpo,oar_g --lrs 0.5e-3,1e-3 \
         --seeds 1000-1004 --steps 32 [--shard 0/2] [--runs-dir runs/study]
     python benchmarks/study.py run --phase eval --task fill2 --methods grpo@1e-3,oar_g@2e-3 --seeds 2000-2019 --steps 28
-    python benchmarks/study.py collect --out benchmarks/results_study_cpu.json [--runs-dir runs/study]
+    python benchmarks/study.py collect --out benchmarks/results_study_cpu.json [--tasks fill2] [--runs-dir runs/study]
 
 ``run`` trains each run of the grid in this process (one torch thread; start two processes with ``--shard 0/2`` and
 ``--shard 1/2`` to use two cores) and writes verl's file-logger metric file
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -126,7 +125,7 @@ def read_run(path: Path) -> dict:
 
 
 def cmd_collect(args) -> int:
-    import torch
+    from verl_oar.testbed.machine import machine_info
 
     runs_dir = Path(args.runs_dir)
     out = Path(args.out)
@@ -134,6 +133,8 @@ def cmd_collect(args) -> int:
     for meta_path in sorted(runs_dir.glob("*/*/*/*.jsonl.meta.json")):
         path = Path(str(meta_path)[: -len(".meta.json")])
         phase, task, method = path.parts[-4:-1]
+        if args.tasks and task not in args.tasks.split(","):
+            continue
         lr_part, seed_part = path.stem.split("_seed")
         meta = json.loads(meta_path.read_text())
         entry = {"phase": phase, "task": task, "method": method, "lr": float(lr_part[2:]), "seed": int(seed_part),
@@ -151,9 +152,8 @@ def cmd_collect(args) -> int:
     result = {
         "what": "docs/study.md: pick_max credit-assignment study, fast runner (verl's math in one process)",
         "commands": previous.get("commands", []) + ([args.note] if args.note else []),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "torch_threads_per_run": 1},
+        "machine": {**machine_info(), "torch_threads_per_run": 1,
+                    "note": "2 runs at a time (one per core), beside other jobs: seconds are upper bounds"},
         "settings": {"batch_size": 8, "n": 8, "val_every": 4, "val_prompts": 64, "threshold": 0.8, "window": 3},
         "study_seconds": previous.get("study_seconds"),
         "runs": runs,
@@ -180,6 +180,8 @@ def main(argv=None) -> int:
     c = sub.add_parser("collect")
     c.add_argument("--out", required=True)
     c.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
+    c.add_argument("--tasks", default="", help="only these tasks, comma-separated (a task's results are committed "
+                   "once its evaluation phase is complete)")
     c.add_argument("--note", default="", help="a command line to record with the results")
     c.add_argument("--study-seconds", type=float, default=None)
     args = p.parse_args(argv)

@@ -393,6 +393,37 @@ def _html_table(summary: dict) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+STUDY_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results_study_cpu.json"
+"""the study's committed results (docs/study.md), in a checkout of the repository (not shipped in the package)"""
+
+
+def study_section(out: Path, results_path: Path = STUDY_RESULTS) -> str:
+    """HTML for the study's main figure, rendered from its committed results (nothing is re-run): per task with
+    evaluation results, the learning curves of each method at its tuned rate (``study_report``)."""
+    from verl_oar.testbed import study_analysis, study_report
+
+    head = "<h2>The study: token credit against a tuned GRPO (committed results, not re-run)</h2>"
+    if not results_path.exists():
+        return (f"{head}<p>The study's results are not here ({html.escape(str(results_path))}): they are committed in "
+                "the repository's benchmarks/ folder, not shipped with the package; see docs/study.md.</p>")
+    results = json.loads(results_path.read_text())
+    analysis = study_analysis.analyse(results)
+    parts = [head, f"<p>From <code>{html.escape(str(results_path))}</code>; hypotheses, endpoints and verdicts: "
+                   "docs/study.md. Each method at its own tuned learning rate, evaluation seeds only.</p>"]
+    for task, result in analysis.items():
+        if not result.get("comparisons"):
+            continue
+        name = f"study_{task}_curves.png"
+        study_report.plot_curves(results, task, result, out / name)
+        verdicts = "; ".join(f"{html.escape(study_report._label(m))}: steps to threshold "
+                             f"{html.escape(study_report._iv(c['relative_steps'], pct=True))} vs tuned GRPO "
+                             f"({c.get('h1_verdict', '-')})" for m, c in result["comparisons"].items())
+        parts.append(f'<p><img src="{name}" alt="study curves {task}" style="max-width:100%"></p><p>{task}: {verdicts}.</p>')
+    if len(parts) == 2:
+        parts.append("<p>No task of the study has evaluation results yet.</p>")
+    return "".join(parts)
+
+
 def write_report(out: Path, summary: dict) -> Path:
     """Write every figure and ``index.html`` into ``out``; return the page's path."""
     out = Path(out)
@@ -441,6 +472,7 @@ the oracle underneath.</p>
 space and greedily re-decode the answer. Sampled accuracy {_fmt(s['sampled_accuracy'])}; mean reasoning tokens
 {_fmt(s['mean_reasoning_tokens'], 1)}, of which causal {_fmt(s['mean_causal_tokens'], 1)}.</p>
 {img('recall.png', 'recall at K')}{img('counterfactual.png', 'counterfactual')}
+{study_section(out)}
 </body></html>"""
     index = out / "index.html"
     index.write_text(page)

@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
 from verl_oar.testbed import study_analysis as sa
-from verl_oar.testbed.measures import bootstrap
 
 FILLER_WORDS = {"fill2": 2, "fill8": 8, "fill32": 32}
 LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P exact", "oar_p_chunk16": "OAR-P chunk K=16"}
@@ -124,6 +122,17 @@ def _plt():
     return plt
 
 
+def _mean_band(curves: list[list[float]], resamples: int = 2000, seed: int = 0):
+    """Per step: the mean over runs and a 95% percentile-bootstrap band of it (runs resampled, the same resample of
+    runs at every step)."""
+    import numpy as np
+
+    values = np.asarray(curves, dtype=np.float64)  # (runs, steps)
+    picks = np.random.default_rng(seed).integers(0, len(values), size=(resamples, len(values)))
+    means = values[picks].mean(axis=1)  # (resamples, steps)
+    return values.mean(axis=0), np.quantile(means, 0.025, axis=0), np.quantile(means, 0.975, axis=0)
+
+
 def plot_curves(results: dict, task: str, analysis: dict, path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -134,10 +143,9 @@ def plot_curves(results: dict, task: str, analysis: dict, path: Path) -> None:
         if not curves:
             continue
         steps = range(1, len(curves[0]) + 1)
-        mean = [statistics.fmean(c[i] for c in curves) for i in range(len(curves[0]))]
-        bands = [bootstrap([c[i] for c in curves], resamples=2000) for i in range(len(curves[0]))]
+        mean, low, high = _mean_band(curves)
         ax.plot(steps, mean, label=f"{_label(method)} (lr {lr:g}, {len(curves)} seeds)")
-        ax.fill_between(steps, [b.low for b in bands], [b.high for b in bands], alpha=0.2)
+        ax.fill_between(steps, low, high, alpha=0.2)
     ax.axhline(sa.THRESHOLD, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("training step")
     ax.set_ylabel("training reward (accuracy of the step's 64 samples)")

@@ -1,0 +1,68 @@
+"""docs/study.md's result tables are what ``python -m verl_oar.testbed.study_report`` renders from the committed results
+JSON (benchmarks/results_study_cpu.json), line for line; and the figures render from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_oar.testbed import study_report
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results_study_cpu.json"
+PAGE = ROOT / "docs" / "study.md"
+
+
+@pytest.fixture(scope="module")
+def results():
+    if not RESULTS.exists():
+        pytest.fail(f"{RESULTS} is missing: the study's committed results (benchmarks/study.py collect)")
+    return json.loads(RESULTS.read_text())
+
+
+def test_the_page_quotes_the_rendered_tables(results):
+    results_part = PAGE.read_text().split("\n## Results\n", 1)[1]
+    for block in study_report.tables(results).strip().split("\n\n"):
+        assert block in results_part, f"docs/study.md's Results lack (or differ from) this rendered block:\n{block}"
+
+
+def test_every_run_of_the_results_is_finished_or_a_recorded_crash(results):
+    for run in results["runs"]:
+        assert "error" in run or len(run["reward"]) == run["steps"], run
+    assert results["machine"]["cores"] and results["commands"]
+
+
+def test_figures_render(results, tmp_path):
+    written = study_report.figures(results, tmp_path)
+    assert written and all(p.stat().st_size > 1000 for p in written)
+
+
+def test_the_demo_report_shows_the_study_from_the_committed_results(results, tmp_path):
+    from verl_oar.testbed.report import study_section
+
+    page = study_section(tmp_path)
+    done = [t for t, r in study_report.sa.analyse(results).items() if r.get("comparisons")]
+    assert done, "no task of the committed results has evaluation results"
+    for task in done:
+        assert f"study_{task}_curves.png" in page and (tmp_path / f"study_{task}_curves.png").stat().st_size > 1000
+    missing = study_section(tmp_path, tmp_path / "absent.json")
+    assert "not here" in missing and "docs/study.md" in missing
+
+
+def test_the_curve_band_is_a_percentile_bootstrap_of_the_mean():
+    import random
+
+    rng = random.Random(1)
+    curves = [[rng.random() for _ in range(6)] for _ in range(9)]
+    mean, low, high = study_report._mean_band(curves, resamples=4000)
+    for step in range(6):
+        column = [c[step] for c in curves]
+        assert mean[step] == pytest.approx(sum(column) / 9)
+        assert low[step] < mean[step] < high[step]
+        # a plain bootstrap of the same column agrees within resampling noise
+        from verl_oar.testbed.measures import bootstrap
+
+        plain = bootstrap(column, resamples=4000, seed=3)
+        assert low[step] == pytest.approx(plain.low, abs=0.03) and high[step] == pytest.approx(plain.high, abs=0.03)
