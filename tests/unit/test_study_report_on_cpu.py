@@ -66,3 +66,12 @@ def test_the_curve_band_is_a_percentile_bootstrap_of_the_mean():
 
         plain = bootstrap(column, resamples=4000, seed=3)
         assert low[step] == pytest.approx(plain.low, abs=0.03) and high[step] == pytest.approx(plain.high, abs=0.03)
+
+
+def test_readme_quotes_the_study_as_rendered(results):
+    readme = (ROOT / "README.md").read_text()
+    comps = study_report.sa.analyse(results)["fill2"]["comparisons"]
+    for method in ("oar_g", "oar_p"):
+        iv = study_report._iv(comps[method]["relative_steps"], pct=True)  # e.g. "+4.0% [-18.0%, +26.0%]"
+        estimate, interval = iv.split(" ", 1)
+        assert f"{estimate} steps {interval}" in readme or f"{estimate} {interval}" in readme, iv
