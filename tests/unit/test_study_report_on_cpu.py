@@ -71,7 +71,7 @@ def test_the_curve_band_is_a_percentile_bootstrap_of_the_mean():
 def test_readme_quotes_the_study_as_rendered(results):
     readme = " ".join((ROOT / "README.md").read_text().split())  # lines joined
     comps = study_report.sa.analyse(results)["fill2"]["comparisons"]
-    for method in ("oar_g", "oar_p"):
+    for method in ("oar_g", "oar_p", "oar_p_chunk16"):
         iv = study_report._iv(comps[method]["relative_steps"], pct=True)  # e.g. "+4.0% [-18.0%, +26.0%]"
         estimate, interval = iv.split(" ", 1)
         assert f"{estimate} steps {interval}" in readme or f"{estimate} {interval}" in readme, iv
