@@ -276,8 +276,12 @@ def main(out_dir: str) -> None:
         fused = fused_vs_verl(worker, tokenizer, oar, step)
         after_fused = snapshot(engine)
         checkpointing = without_checkpointing(worker, tokenizer, oar, step)
+        from verl_oar.engines.inputs import autocast_dtype
+
         result = {
             **case,
+            # the plugin derives the dtype from the engine's public config; verl keeps it in a private attribute
+            "autocast_dtype": str(autocast_dtype(engine)), "verl_autocast_dtype": str(engine._autocast_dtype),
             "gradient_checkpointing": checkpointing["gradient_checkpointing"],
             "checkpointed_importance_identical": bitwise_equal(checkpointing["importance"], output["oar_importance"]),
             "state_unchanged": same(before, after) and same(before, after_fused),

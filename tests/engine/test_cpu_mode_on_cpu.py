@@ -262,3 +262,29 @@ def test_hf_rollout_takes_weight_updates(hf_server):
             hf_server.update_weights({output_name: original[output_name]})
     finally:
         hf_server.model.load_state_dict(original)
+
+
+def test_cpu_mode_refuses_a_process_whose_verl_platform_is_already_another_device(tmp_path):
+    """verl creates its platform once per process: registering the cpu platform after verl resolved another one
+    (here its fallback, nvidia) would leave verl on that device, so it is refused, naming the fix."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from verl.plugin.platform import get_platform\n"
+        "assert get_platform().device_name == 'cuda'\n"
+        "os.environ['VERL_PLATFORM'] = 'cpu'\n"
+        "from verl_oar.cpu.platform import register_cpu_platform\n"
+        "try:\n"
+        "    register_cpu_platform()\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED verl's platform was already initialised as 'cuda'" in proc.stdout, proc.stdout
+    assert "set VERL_PLATFORM=cpu before importing verl" in proc.stdout

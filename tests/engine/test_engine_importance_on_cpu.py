@@ -53,6 +53,12 @@ def test_fused_log_prob_pass_is_bit_identical_to_verls_and_to_the_separate_impor
             assert case["log_prob_dtype"] == "torch.bfloat16", case  # the pass really ran in bf16
 
 
+def test_autocast_dtype_from_the_public_config_equals_the_engines_own(cases):
+    assert {case["verl_autocast_dtype"] for case in cases} == {"torch.float32", "torch.bfloat16"}
+    for case in cases:
+        assert case["autocast_dtype"] == case["verl_autocast_dtype"], (_name(case), case)
+
+
 def test_zero_noise_gives_exactly_zero_objective_and_gradient(cases):
     checked = [case for case in cases if "zero_noise_max_importance" in case]
     assert {case.get("param_dtype", "fp32") for case in checked} == {"fp32", "bf16"}

@@ -49,11 +49,7 @@ UNROUTED = {
     ("cpu/verl_patches.py", "_ROLLOUT_REGISTRY"): "cpu/ may not import integration/; applied only without 0004 "
         "(patches_applied() reports it; the e2e test of the series asserts it is not applied)",
     ("engines/megatron/forward.py", "_lm_head_logits_processor"): "engines/ may not import integration/; Megatron only",
-    ("engines/inputs.py", "_autocast_dtype"): "FSDPEngine's instance attribute (not resolvable on the class, so not in "
-        "compat.PRIVATE_NAMES): the dtype verl's forward autocasts to",
     ("integration/privileged_signal.py", "_balance_batch"): "compat.PRIVATE_NAMES; CSCR / OPPO, with or without the series",
-    ("cpu/platform.py", "_engines"): "compat.PRIVATE_NAMES; CPU mode, with or without the series",
-    ("cpu/platform.py", "_current_platform"): "compat.PRIVATE_NAMES; CPU mode, with or without the series",
     ("cpu/hf_rollout.py", "_server_handle"): "RolloutReplica's instance attribute that its subclasses set in "
         "launch_servers (verl's own replicas do); CPU mode, with or without the series",
     ("cpu/hf_rollout.py", "_server_address"): "as _server_handle",

@@ -230,14 +230,19 @@ def _make_platform_class():
 
 
 def _register_fsdp_engines_for_cpu() -> None:
+    """Register verl's FSDP engines for device "cpu" unless an engine is already there (verl's own, or ours from an
+    earlier call: ``EngineRegistry.register`` asserts on a second registration). Public API only: the lookup is
+    ``get_engine_cls``, which resolves the device through the platform (initialised as "cpu" before this runs)."""
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
     for model_type, engine_cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
         for backend in ("fsdp", "fsdp2"):
-            registry = EngineRegistry._engines.get(model_type, {}).get(backend, {})
-            if registry.get("cpu") is engine_cls:
-                continue  # idempotent: EngineRegistry.register asserts on a second registration
+            try:
+                EngineRegistry.get_engine_cls(model_type, backend)
+                continue
+            except ValueError:  # "No engine registered for device='cpu' ..."
+                pass
             EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(engine_cls)
 
 
@@ -278,15 +283,17 @@ def register_cpu_platform() -> None:
         )
         print("[verl-oar] WARNING: VERL_PLATFORM=cpu on a CUDA machine: running on CPU.", file=sys.stderr)
 
-    from verl.plugin.platform import PlatformRegistry, platform_manager
+    from verl.plugin.platform import PlatformRegistry, get_platform
 
-    current = platform_manager._current_platform
-    if current is not None and current.device_name != "cpu":
+    PlatformRegistry.register(platform=PLATFORM_NAME)(_make_platform_class())
+    # the platform singleton is created now (from VERL_PLATFORM=cpu, which is set), not at verl's first device
+    # call: the engine lookup below needs it, and a process that created it earlier as another device is refused
+    current = get_platform()
+    if current.device_name != "cpu":
         raise RuntimeError(
             f"verl's platform was already initialised as {current.device_name!r} before verl-oar could register "
             "the cpu platform; set VERL_PLATFORM=cpu before importing verl."
         )
-    PlatformRegistry.register(platform=PLATFORM_NAME)(_make_platform_class())
 
     from verl_oar.cpu.verl_patches import apply_verl_patches
 

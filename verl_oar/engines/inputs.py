@@ -118,9 +118,22 @@ def remove_masks(data: TensorDict) -> None:
             del data[key]
 
 
+def autocast_dtype(engine) -> torch.dtype:
+    """The dtype verl's FSDP engine autocasts its forward to, from the engine's public config as verl derives it in
+    ``FSDPEngine._build_fsdp_module``: ``engine_config.mixed_precision["param_dtype"]`` (default bf16), bf16 when
+    the config has no mixed-precision section (verl's default too). Mirrored, not read from the engine's private
+    attribute; the fused pass's bit-identity tests compare the two paths in fp32 and bf16."""
+    from verl.utils.torch_dtypes import PrecisionType
+
+    mixed_precision = getattr(getattr(engine, "engine_config", None), "mixed_precision", None)
+    if not mixed_precision:
+        return torch.bfloat16
+    return PrecisionType.to_dtype(mixed_precision.get("param_dtype", "bf16"))
+
+
 def autocast_context(engine) -> AbstractContextManager:
     """The mixed-precision context the engine runs its forward under (none for fp32)."""
     from verl.utils.device import get_device_name
 
-    dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    dtype = autocast_dtype(engine)
     return nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)

@@ -68,11 +68,6 @@ PRIVATE_NAMES: dict[str, Private] = {
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch": Private(
         "CSCR / OPPO (integration/privileged_signal.py) balance their extra rows across the actor's ranks as verl "
         "balances the batch (not routed through compat yet)", None),
-    "verl.workers.engine.base.EngineRegistry._engines": Private(
-        "CPU mode only: registering the FSDP engines for the cpu device is skipped when already there "
-        "(cpu/platform.py; EngineRegistry.register asserts on a second registration)", None),
-    "verl.plugin.platform.platform_manager._current_platform": Private(
-        "CPU mode only: refuses a platform verl already initialised as another device (cpu/platform.py)", None),
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._val_metrics_update": Private(
         "testbed fast runner only (testbed/fast_step.py): verl's validation metric names", None),
     "verl.workers.engine.megatron.transformer_impl.MegatronEngineWithLMHead._lm_head_logits_processor": Private(
