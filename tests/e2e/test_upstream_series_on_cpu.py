@@ -4,7 +4,7 @@ One module-scoped copy of the installed verl (package + the tests its wheel ship
 applied by ``upstream/apply.sh``; then, against that copy (first on ``PYTHONPATH``):
 1. a subset of verl's own CPU tests and the series' new tests pass;
 2. CPU mode needs no monkeypatch of it (each patch sees verl's public fix and is skipped), and verl's
-   ``oar`` estimator (patch 0006) gives verl-oar's own reshaping weights, bit for bit;
+   ``oar`` estimator (PR ``oar``) gives verl-oar's own reshaping weights, bit for bit;
 3. every seam the plugin uses, in as few trainer launches as cover them (each costs ~60 s on 2 cores):
    - ``oar_g`` composed with CoDaPO, CoDaSampling on, 3 steps, a checkpoint after each: the advantage hooks
      (0001+0002: the trainer is verl's own ``PPOTrainerSync``, OAR's fused pass and metrics), ``codapo.compose``
@@ -51,6 +51,8 @@ SERIES_TESTS = (
     "tests/trainer/ppo/test_oar_advantage_on_cpu.py",
     "tests/trainer/ppo/test_train_batch_hooks_on_cpu.py",
     "tests/workers/engine/test_logits_reducers_on_cpu.py",
+    "tests/workers/rollout/test_replica_server_setters_on_cpu.py",
+    "tests/trainer/ppo/test_balance_batch_on_cpu.py",
 )
 HOOK_LINE = "[verl-oar] token signals through verl's advantage hooks in verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync"
 """printed by verl_oar.integration.upstream_hook at the first step, naming the trainer's class"""
@@ -80,7 +82,7 @@ def patched_verl(tmp_path_factory) -> Path:
     assert proc.returncode == 0, f"the upstream series does not apply to the installed verl:\n{proc.stderr}"
     patches = sorted(p.name for p in SERIES.rglob("*.patch"))  # one folder per pull request, or flat
     log = subprocess.run(["git", "-C", str(dest), "log", "--format=%s"], capture_output=True, text=True, check=True)
-    assert len(patches) == 8 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
+    assert len(patches) == 10 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
     return dest
 
 
@@ -126,7 +128,10 @@ def test_cpu_mode_applies_no_monkeypatch_to_the_patched_verl(patched_verl):
         "    assert torch.equal(oar_token_weights(imp, mask, found, **kw), ours), trial\n"
         "from verl_oar.integration import compat, codapo_sampling\n"
         "from verl.trainer.ppo.train_batch_hooks import get_train_batch_hooks\n"
-        "assert upstream_hook.seams() == dict(advantage_hooks=True, train_batch_hooks=True, logits_reducers=True)\n"
+        "assert upstream_hook.seams() == dict(advantage_hooks=True, train_batch_hooks=True, logits_reducers=True,\n"
+        "                                     replica_servers=True, balance_batch=True), upstream_hook.seams()\n"
+        "from verl_oar.cpu.hf_rollout import replica_setters_available\n"
+        "assert replica_setters_available()\n"  # the hf replica publishes its server through the public setters
         "assert get_train_batch_hooks('codapo').verl_oar_codapo_sampling\n"
         "assert compat.ACCESS_LOG == [], compat.ACCESS_LOG\n"  # CPU mode and the plugin's install: no private name
         "print('OK')\n"

@@ -49,9 +49,9 @@ UNROUTED = {
     ("cpu/verl_patches.py", "_ROLLOUT_REGISTRY"): "cpu/ may not import integration/; applied only without 0004 "
         "(patches_applied() reports it; the e2e test of the series asserts it is not applied)",
     ("engines/megatron/forward.py", "_lm_head_logits_processor"): "engines/ may not import integration/; Megatron only",
-    ("integration/privileged_signal.py", "_balance_batch"): "compat.PRIVATE_NAMES; CSCR / OPPO, with or without the series",
     ("cpu/hf_rollout.py", "_server_handle"): "RolloutReplica's instance attribute that its subclasses set in "
-        "launch_servers (verl's own replicas do); CPU mode, with or without the series",
+        "launch_servers (verl's own replicas do); CPU mode, only without the replica-servers PR (then the public "
+        "setters; cpu/ may not import integration/, so not logged: the series' e2e test checks the setters are used)",
     ("cpu/hf_rollout.py", "_server_address"): "as _server_handle",
     ("testbed/fast_step.py", "_val_metrics_update"): "compat.PRIVATE_NAMES; the testbed's fast runner only",
 }
@@ -173,7 +173,10 @@ def test_every_private_name_says_which_patch_of_the_series_replaces_it():
     assert {n.rsplit(".", 1)[1] for n in without_series} >= {
         "_init_dataloader", "_next_train_batch", "_save_checkpoint", "_load_checkpoint", "_gather_and_unpad_packed",
         "prepare_model_outputs", "_compute_advantage", "_compute_old_log_prob", "_init_resource_pool_mgr",
-        "TRAINER_REGISTRY", "_ROLLOUT_REGISTRY"}
+        "TRAINER_REGISTRY", "_ROLLOUT_REGISTRY", "_balance_batch"}
+    prs = {d.name[3:] for d in (PACKAGE.parent / "upstream" / "verl-0.9.1").glob("[0-9][0-9]-*")}
+    for name in without_series:  # "<pr name>" or "<pr name> (<its public API>)": a PR of the series
+        assert compat.PRIVATE_NAMES[name].replaced_by.split(" (")[0] in prs, (name, sorted(prs))
 
 
 def test_on_verl_0_9_1_the_plugin_trainers_private_names_are_logged():

@@ -462,6 +462,13 @@ def _tied_parameter_names(model) -> list[str]:
     return names
 
 
+def replica_setters_available() -> bool:
+    """True when verl's ``RolloutReplica.server_handle`` / ``server_address`` have setters (the upstream PR
+    ``replica-servers``): the replica then publishes its server through them, not verl's private attributes."""
+    return all(isinstance(getattr(RolloutReplica, name, None), property) and getattr(RolloutReplica, name).fset
+               for name in ("server_handle", "server_address"))
+
+
 class HFReplica(RolloutReplica):
     """One hf rollout server (a Ray actor on the trainer's node); verl's ``RolloutReplica`` contract."""
 
@@ -474,8 +481,11 @@ class HFReplica(RolloutReplica):
             max_concurrency=self.max_concurrency,
         ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank)
         self.servers = [server]
-        self._server_handle = server
-        self._server_address = await server.get_server_address.remote()
+        address = await server.get_server_address.remote()
+        if replica_setters_available():
+            self.server_handle, self.server_address = server, address
+        else:  # verl without the replica-servers PR: its replicas' contract is the private attributes
+            self._server_handle, self._server_address = server, address
 
     async def sleep(self) -> None:
         await asyncio.gather(*[server.sleep.remote() for server in self.servers])

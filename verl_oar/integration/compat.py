@@ -19,7 +19,7 @@ SUPPORTED_VERL = ("0.9.",)
 
 @dataclass(frozen=True)
 class Private:
-    """Why verl-oar touches a private verl name, and which patch of the upstream series (docs/upstream.md) makes it
+    """Why verl-oar touches a private verl name, and which pull request of the upstream series (docs/upstream.md) makes it
     unnecessary (None: needed with the series too)."""
 
     why: str
@@ -29,9 +29,9 @@ class Private:
         return self.why
 
 
-_S02 = "0001+0002 (advantage hooks)"
-_S07 = "0007 (train batch hooks)"
-_S08 = "0008 (logits reducers)"
+_S02 = "advantage-hooks"
+_S07 = "train-batch-hooks"
+_S08 = "logits-reducers"
 
 PRIVATE_NAMES: dict[str, Private] = {
     "verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY": Private(
@@ -60,14 +60,14 @@ PRIVATE_NAMES: dict[str, Private] = {
     "verl.workers.engine.fsdp.transformer_impl.FSDPEngine._gather_and_unpad_packed": Private(
         "ACPO's modal surrogate packs its output exactly as verl packs log_probs (engines/fsdp/modal.py)", _S08),
     "verl.workers.rollout.base._ROLLOUT_REGISTRY": Private(
-        "CPU mode only: registers the hf rollout (cpu/verl_patches.py)", "0004 (register_rollout_class)"),
+        "CPU mode only: registers the hf rollout (cpu/verl_patches.py)", "rollout-registry (register_rollout_class)"),
     "verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy": Private(
-        "CPU mode only: offload without pinned memory (cpu/verl_patches.py)", "0005 (is_pin_memory_available)"),
+        "CPU mode only: offload without pinned memory (cpu/verl_patches.py)", "cpu-fixes (is_pin_memory_available)"),
     "verl.utils.distributed.initialize_global_process_group_ray": Private(
-        "CPU mode only: a backend string torch accepts (cpu/verl_patches.py)", "0003 (get_default_process_group_backend)"),
+        "CPU mode only: a backend string torch accepts (cpu/verl_patches.py)", "cpu-fixes (get_default_process_group_backend)"),
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch": Private(
         "CSCR / OPPO (integration/privileged_signal.py) balance their extra rows across the actor's ranks as verl "
-        "balances the batch (not routed through compat yet)", None),
+        "balances the batch", "balance-batch (PPOTrainer.balance_batch)"),
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._val_metrics_update": Private(
         "testbed fast runner only (testbed/fast_step.py): verl's validation metric names", None),
     "verl.workers.engine.megatron.transformer_impl.MegatronEngineWithLMHead._lm_head_logits_processor": Private(

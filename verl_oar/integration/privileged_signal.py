@@ -18,7 +18,7 @@ size and offload. Per step:
    fit), counted; verl's synthetic padding rows are re-scored as they are (log-prob shift 0);
 3. every template's rows go into one TransferQueue partition of their own (``PARTITION``) and through
    ONE ``compute_log_prob`` call at the rollout temperature (balanced across data-parallel ranks by
-   verl's ``_balance_batch``; K templates x a batch that verl already made divisible keeps every
+   verl's ``balance_batch``, or its private ``_balance_batch`` without that PR; K templates x a batch that verl already made divisible keeps every
    divisibility of the old-log-prob call); the partition is cleared afterwards, also on error;
 4. the response tokens' log-probs minus a baseline are the shifts, written as nested (bs, response_len)
    fields under the batch's keys. The baseline is ``old_log_probs`` (the same actor, weights and
@@ -43,6 +43,7 @@ import torch
 from verl_oar.core.cscr import CSCRConfig
 from verl_oar.core.oppo import OPPOConfig
 from verl_oar.core.privileged_prompt import fit_question, ground_truth, rewrite_messages
+from verl_oar.integration import compat
 from verl_oar.integration.signals import register_token_signal
 from verl_oar.integration.teacher import attach_teacher, check_teacher
 from verl_oar.integration.validate import bypass_mode
@@ -253,7 +254,9 @@ def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreS
             "calculate_entropy": False, "compute_loss": False,
             "temperature": trainer.config.actor_rollout_ref.rollout.temperature,
         })
-        meta = trainer._balance_batch(meta, metrics={}, logging_prefix="verl_oar_privileged_seqlen")
+        balance = getattr(trainer, "balance_batch", None) or compat.private_attr(
+            trainer, "verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch")
+        meta = balance(meta, metrics={}, logging_prefix="verl_oar_privileged_seqlen")
         meta_keys = list(meta.keys)
         score = trainer.actor_rollout_wg.compute_teacher_log_prob if teacher else trainer.actor_rollout_wg.compute_log_prob
         output = score(meta)

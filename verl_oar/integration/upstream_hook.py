@@ -1,4 +1,4 @@
-"""verl-oar through the seams of verl's upstream patch series (``upstream/verl-0.9.1/``, docs/upstream.md),
+"""verl-oar through the seams of verl's upstream patch series (``upstream/verl-0.9.1/``, one folder per pull request, docs/upstream.md),
 when the installed verl has them: the plugin then registers its estimators and signal providers through
 verl's public API and neither subclasses verl's trainer nor touches its trainer registry.
 
@@ -15,12 +15,16 @@ The seams, each detected on its own (:func:`seams`):
   fuse, compute, report, timing) and the per-step state, metrics, guards and dump around the estimator
   (``advantage_context``), including the fields of an active composer (``codapo.compose``: ``old_log_probs`` and
   ``rm_scores``, read from TransferQueue like the plugin's trainer does);
-- ``verl.trainer.ppo.train_batch_hooks.register_train_batch_hooks(name, hooks)`` (patch 0007): CoDaSampling
+- ``verl.trainer.ppo.train_batch_hooks.register_train_batch_hooks(name, hooks)`` (PR train-batch-hooks): CoDaSampling
   (``codapo_train_batch_hooks``) for ``codapo`` and every token estimator (composed), inert unless sampling is on;
-  without 0007 sampling is refused at start-up (it needs the plugin's trainer);
-- ``verl.workers.engine.logits_reducers`` (patch 0008): ACPO's modal surrogate as verl's logits reducer
+  without it sampling is refused at start-up (it needs the plugin's trainer);
+- ``verl.workers.engine.logits_reducers`` (PR logits-reducers): ACPO's modal surrogate as verl's logits reducer
   (``engines.fsdp.logits_reducer``, requested by ``modal_signal.prepare_acpo``) instead of the worker wrapping the
-  engine's method.
+  engine's method;
+- ``RolloutReplica.server_handle`` / ``server_address`` setters (PR replica-servers): CPU mode's hf replica publishes
+  its server through them (``cpu/hf_rollout.py``);
+- ``PPOTrainer.balance_batch`` (PR balance-batch): CSCR / OPPO balance their re-scoring batch with it
+  (``privileged_signal``).
 
 Through these seams the plugin touches no private verl name (``compat.PRIVATE_NAMES``: each is needed only without
 one of the patches; ``compat.ACCESS_LOG`` records any that is touched).
@@ -36,7 +40,7 @@ _INSTALLED: dict = {}
 
 
 def available() -> bool:
-    """True when the imported verl offers the upstream series' hooks (patches 0001 and 0002)."""
+    """True when the imported verl offers the upstream series' advantage hooks (PR advantage-hooks)."""
     try:
         from verl.trainer.ppo import advantage_hooks, core_algos
     except ImportError:
@@ -45,7 +49,7 @@ def available() -> bool:
 
 
 def train_batch_hooks_available() -> bool:
-    """True when the imported verl has the train batch hooks (patch 0007)."""
+    """True when the imported verl has the train batch hooks (PR train-batch-hooks)."""
     try:
         from verl.trainer.ppo import train_batch_hooks
     except ImportError:
@@ -53,13 +57,30 @@ def train_batch_hooks_available() -> bool:
     return hasattr(train_batch_hooks, "register_train_batch_hooks")
 
 
+def balance_batch_available() -> bool:
+    """True when verl's v1 trainer has the public ``balance_batch`` (PR ``balance-batch``)."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    return callable(getattr(PPOTrainer, "balance_batch", None))
+
+
+def replica_setters_available() -> bool:
+    """True when verl's ``RolloutReplica.server_handle`` / ``server_address`` have setters (PR ``replica-servers``;
+    CPU mode's hf replica checks the same in ``cpu/hf_rollout.py``, which may not import this package)."""
+    from verl.workers.rollout.replica import RolloutReplica
+
+    return all(isinstance(getattr(RolloutReplica, name, None), property) and getattr(RolloutReplica, name).fset
+               for name in ("server_handle", "server_address"))
+
+
 def seams() -> dict[str, bool]:
-    """Which seams of the series the imported verl has: ``advantage_hooks`` (0001+0002), ``train_batch_hooks``
-    (0007), ``logits_reducers`` (0008)."""
+    """Which PRs of the series the imported verl has, by seam: ``advantage_hooks`` (advantage-hooks),
+    ``train_batch_hooks``, ``logits_reducers``, ``replica_servers``, ``balance_batch``."""
     from verl_oar.engines.fsdp import logits_reducer
 
     return {"advantage_hooks": available(), "train_batch_hooks": train_batch_hooks_available(),
-            "logits_reducers": logits_reducer.available()}
+            "logits_reducers": logits_reducer.available(), "replica_servers": replica_setters_available(),
+            "balance_batch": balance_batch_available()}
 
 
 def uses_logits_reducers() -> bool:
