@@ -7,12 +7,12 @@ applied by ``upstream/apply.sh``; then, against that copy (first on ``PYTHONPATH
    ``oar`` estimator (PR ``oar``) gives verl-oar's own reshaping weights, bit for bit;
 3. every seam the plugin uses, in as few trainer launches as cover them (each costs ~60 s on 2 cores):
    - ``oar_g`` composed with CoDaPO, CoDaSampling on, 3 steps, a checkpoint after each: the advantage hooks
-     (0001+0002: the trainer is verl's own ``PPOTrainerSync``, OAR's fused pass and metrics), ``codapo.compose``
+     (advantage-hooks: the trainer is verl's own ``PPOTrainerSync``, OAR's fused pass and metrics), ``codapo.compose``
      through verl's ``compute_advantage`` (advantages = question value x OAR-G's), CoDaSampling through the train
-     batch hooks (0007: passes 1, 2, 1, step 2 on step 1's top questions, the pending rows in ``trainer_state.pt``);
+     batch hooks (PR train-batch-hooks: passes 1, 2, 1, step 2 on step 1's top questions, the pending rows in ``trainer_state.pt``);
    - resumed from its step-1 checkpoint (after a first use) and from its step-2 checkpoint (after a second use),
      one step each: the resumed step trains exactly as the uninterrupted run's (same rollouts, bit-equal dumps);
-   - ``acpo`` (modal surrogate), 1 step: the top-1 log-probs through verl's logits reducer (0008);
+   - ``acpo`` (modal surrogate), 1 step: the top-1 log-probs through verl's logits reducer (PR logits-reducers);
    and none of them touches a private verl name (``compat``'s access log, written by every process of a run, stays
    empty) or monkeypatches verl in CPU mode.
 Marked slow: the launches take about 1-2 minutes each on 2 cores.
@@ -180,12 +180,12 @@ def test_oar_g_composed_with_codapo_sampling_trains_through_the_series_hooks(com
 
     run, rc, text, records = compose_run
     assert rc == 0, text[-6000:]
-    assert HOOK_LINE in text, text[-6000:]                    # advantage hooks (0001+0002) in verl's own trainer
+    assert HOOK_LINE in text, text[-6000:]                    # advantage hooks (PR advantage-hooks) in verl's own trainer
     assert "OARTrainerSync" not in text
     assert "[verl-oar] memory estimate per GPU" in text        # the plugin trainer's start-up check, through the hooks
     _no_private_access(run)
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert [r["data"]["codapo/sampling/pass"] for r in records] == [1.0, 2.0, 1.0]  # train batch hooks (0007)
+    assert [r["data"]["codapo/sampling/pass"] for r in records] == [1.0, 2.0, 1.0]  # train batch hooks (PR train-batch-hooks)
     for record in records:
         data = record["data"]
         missing = [k for k in OAR_KEYS if k not in data]

@@ -1,5 +1,5 @@
-"""CoDaSampling through the upstream series' train batch hooks (``integration.codapo_train_batch_hooks``, patch
-0007) schedules exactly as the plugin trainer's mixin (``codapo_sampling.CoDaSamplingMixin``) on verl 0.9.1: the same
+"""CoDaSampling through the upstream series' train batch hooks (``integration.codapo_train_batch_hooks``, PR
+train-batch-hooks) schedules exactly as the plugin trainer's mixin (``codapo_sampling.CoDaSamplingMixin``) on verl 0.9.1: the same
 step counts, batches (refocused rows, fresh uids, refills), metrics, checkpointed state and resume behaviour, after
 an odd and after an even step. The hooks need verl's ``TrainBatchHooks``: the check runs in a subprocess with a copy
 of the installed verl patched by ``upstream/apply.sh`` first on ``PYTHONPATH`` (the copy takes ~3 s)."""

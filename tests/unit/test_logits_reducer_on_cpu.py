@@ -1,4 +1,4 @@
-"""ACPO's modal log-prob as verl's logits reducer (``engines.fsdp.logits_reducer``, the upstream series' patch 0008):
+"""ACPO's modal log-prob as verl's logits reducer (``engines.fsdp.logits_reducer``, upstream PR logits-reducers):
 the reducer sees the logits after verl's own temperature scaling, ``logits / T`` with ``T`` cast to the logits'
 dtype (verl 0.9.1 ``transformer_impl._scale_logits_by_temperature``), where the worker's wrapper
 (``engines.fsdp.modal``) scales in float32. Against a float64 reference on fresh random logits: fp32 agrees to

@@ -43,7 +43,7 @@ OWN = {
 
 UNROUTED = {
     ("integration/trainer.py", "_init_resource_pool_mgr"): "PPOTrainerSync._init_resource_pool_mgr (compat.PRIVATE_NAMES; "
-        "logged by compat.trainer_registry, which every install of the plugin trainer goes through; without 0001+0002)",
+        "logged by compat.trainer_registry, which every install of the plugin trainer goes through; without PR advantage-hooks)",
     ("integration/trainer.py", "_compute_old_log_prob"): "as above",
     ("integration/trainer.py", "_compute_advantage"): "as above",
     ("cpu/verl_patches.py", "_ROLLOUT_REGISTRY"): "cpu/ may not import integration/; applied only without 0004 "

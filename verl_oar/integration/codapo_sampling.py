@@ -8,7 +8,7 @@ copies' uids), driven through one of two verl extension points:
   ``algorithm.codapo.sampling`` is on (``codapo``, or a token estimator with ``codapo.compose=true``). Checked
   against verl 0.9.1 ``trainer/ppo/v1/trainer_base.py``; the four private methods it overrides are named in
   ``compat.PRIVATE_NAMES`` and reached through ``compat.private_overrides``.
-- a verl with the upstream series' train batch hooks (patch 0007): ``codapo_train_batch_hooks`` drives the same
+- a verl with the upstream PR train-batch-hooks: ``codapo_train_batch_hooks`` drives the same
   sampler from verl's public ``TrainBatchHooks`` (the pending rows in verl's ``trainer_state.pt``).
 
 - Odd steps (1, 3, ...): a fresh batch from verl's dataloader, trained as usual. After the step

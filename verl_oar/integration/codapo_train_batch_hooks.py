@@ -1,4 +1,4 @@
-"""CoDaSampling (``codapo_sampling``) through the upstream series' train batch hooks (patch 0007,
+"""CoDaSampling (``codapo_sampling``) through the upstream series' train batch hooks (PR train-batch-hooks,
 ``verl.trainer.ppo.train_batch_hooks``), on verl's own ``PPOTrainerSync``: no trainer subclass, no private method.
 
 One hooks object serves every token estimator of the process (verl keeps one per estimator name, shared by every
@@ -36,7 +36,7 @@ _CLASS: list = []
 
 
 def hooks_class():
-    """:class:`CoDaSamplingHooks` over verl's ``TrainBatchHooks`` (built on first use: verl must have patch 0007)."""
+    """:class:`CoDaSamplingHooks` over verl's ``TrainBatchHooks`` (built on first use: verl must have PR train-batch-hooks)."""
     if _CLASS:
         return _CLASS[0]
     from verl.trainer.ppo.train_batch_hooks import TrainBatchHooks

@@ -4,7 +4,7 @@ old-log-prob pass (no extra model pass).
 verl extension points (checked against verl 0.9.1): the token-signal channel (``signals``) and the actor's
 ``compute_log_prob`` worker call, which the plugin's worker (``worker.OARWorkerMixin``) lets return one more
 field when the batch is marked ``oar_acpo_modal`` (``engines.fsdp.modal``: the top-1 log-prob from the same
-logits; verl's ``log_probs`` and ``entropy`` unchanged), or, with the upstream series' patch 0008, verl's own
+logits; verl's ``log_probs`` and ``entropy`` unchanged), or, with upstream PR logits-reducers, verl's own
 logits reducer (``engines.fsdp.logits_reducer``, requested with ``batch.extra_info["logits_reducers"]``). Fields written, nested (bs, response_len) float32:
 
 - ``acpo_surrogate``: H~_t, by ``algorithm.acpo.surrogate``: ``modal`` -log p_max,t (the pass's top-1
@@ -48,7 +48,7 @@ def validate_acpo(config) -> None:
 
 def prepare_acpo(trainer, batch) -> None:
     """Before the old-log-prob pass: ask it for the top-1 log-probs too (``surrogate=modal``): through verl's logits
-    reducer when the run goes through the upstream series' hooks and verl has patch 0008, else by the mark that the
+    reducer when the run goes through the upstream series' hooks and verl has PR logits-reducers, else by the mark that the
     plugin's worker reads (``engines.fsdp.modal``)."""
     if ACPOConfig.from_algorithm(trainer.config.algorithm).surrogate != "modal":
         return

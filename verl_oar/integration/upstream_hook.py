@@ -85,7 +85,7 @@ def seams() -> dict[str, bool]:
 
 def uses_logits_reducers() -> bool:
     """True when runs go through the advantage hooks and verl has logits reducers: ACPO's modal pass is then verl's
-    reducer (the plugin's trainer, without 0001+0002, keeps the worker's wrapper)."""
+    reducer (the plugin's trainer, without PR advantage-hooks, keeps the worker's wrapper)."""
     from verl_oar.engines.fsdp import logits_reducer
 
     return available() and logits_reducer.available()
@@ -148,7 +148,7 @@ def _hooks_class():
 
             if sampling_config(config) is not None and not train_batch_hooks_available():
                 raise ValueError("CoDaSampling (algorithm.codapo.sampling) needs verl's train batch hooks (the upstream "
-                                 "series' patch 0007), which this verl lacks (it has the advantage hooks, 0001+0002, so "
+                                 "series' PR train-batch-hooks), which this verl lacks (it has PR advantage-hooks, so "
                                  "verl-oar's own trainer is not used). Apply the whole series (upstream/apply.sh), or set "
                                  "+algorithm.codapo.sampling=false (CoDaPO's weighting alone).")
             if self.providers:  # the pass's memory per GPU (memory_check), as the plugin trainer: a bad value stops

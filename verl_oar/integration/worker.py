@@ -48,7 +48,7 @@ class OARWorkerMixin:
         """verl's old-log-prob pass; when the trainer marks the batch ``oar_fused``, the same pass
         also computes token importance (one clean forward shared, see engines.driver); marked
         ``oar_acpo_modal``, it also returns ACPO's top-1 log-probs (``engines.fsdp.modal``); with verl's
-        ``logits_reducers`` request (the upstream series' patch 0008), verl's own pass does (``engines.fsdp.logits_reducer``)."""
+        ``logits_reducers`` request (upstream PR logits-reducers), verl's own pass does (``engines.fsdp.logits_reducer``)."""
         from verl.utils import tensordict_utils as tu
 
         if tu.get(data, key="oar_acpo_modal", default=False):  # ACPO: the same pass also returns log p_max
@@ -60,7 +60,7 @@ class OARWorkerMixin:
             compat.record(PREPARE, "wrapped on the engine instance for one compute_log_prob call")
             with modal_log_probs(engine, gather):
                 return super().compute_log_prob(data)
-        if tu.get(data, key="logits_reducers", default=None):  # a verl with patch 0008: ACPO's reducer, registered here
+        if tu.get(data, key="logits_reducers", default=None):  # a verl with PR logits-reducers: ACPO's reducer, registered here
             from verl_oar.engines.fsdp import logits_reducer  # (the worker's process) before verl's pass looks it up
 
             logits_reducer.register()

@@ -1,4 +1,4 @@
-"""ACPO's modal (top-1) log-probability as a logits reducer of verl's FSDP engine (the upstream series' patch 0008,
+"""ACPO's modal (top-1) log-probability as a logits reducer of verl's FSDP engine (upstream PR logits-reducers,
 ``verl.workers.engine.logits_reducers``), instead of wrapping the engine's ``prepare_model_outputs`` (``modal``).
 
 verl applies a registered reducer to the logits its own pass already holds, after its temperature scaling
@@ -32,7 +32,7 @@ def modal_reducer(logits: torch.Tensor) -> torch.Tensor:
 
 
 def available() -> bool:
-    """True when the imported verl has logits reducers (patch 0008)."""
+    """True when the imported verl has logits reducers (PR logits-reducers)."""
     try:
         from verl.workers.engine import logits_reducers
     except ImportError:
@@ -41,7 +41,7 @@ def available() -> bool:
 
 
 def register() -> None:
-    """Register :func:`modal_reducer` as ``MODAL_KEY`` in verl's reducer registry (idempotent; needs patch 0008)."""
+    """Register :func:`modal_reducer` as ``MODAL_KEY`` in verl's reducer registry (idempotent; needs PR logits-reducers)."""
     from verl.workers.engine.logits_reducers import LOGITS_REDUCERS, register_logits_reducer
 
     if LOGITS_REDUCERS.get(MODAL_KEY) is not modal_reducer:

@@ -3,7 +3,7 @@
 ``log p_max,t = max_v z_{t,v} / T - logsumexp_v(z_{t,v} / T)``: the log-probability of the most likely
 next token at every position, at the pass's temperature ``T``, from the logits that pass already holds.
 
-How (verl 0.9.1; with the upstream series' patch 0008 the same reduction runs as verl's logits reducer instead,
+How (verl 0.9.1; with upstream PR logits-reducers the same reduction runs as verl's logits reducer instead,
 ``engines.fsdp.logits_reducer``): for the duration of one ``compute_log_prob`` call, :func:`modal_log_probs` wraps the engine's
 ``prepare_model_outputs`` (verl 0.9.1 ``FSDPEngineWithLMHead``): verl's method runs unchanged, so
 ``log_probs`` and ``entropy`` keep their bits, and the wrapper adds one key, ``MODAL_KEY``, to its output,
@@ -31,7 +31,7 @@ __all__ = ["BLOCK_BYTES", "MODAL_KEY", "modal_log_probs", "top1_log_probs"]
 GATHER = "verl.workers.engine.fsdp.transformer_impl.FSDPEngine._gather_and_unpad_packed"
 PREPARE = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs"
 """the verl names the wrapper depends on (``integration.compat.PRIVATE_NAMES``): the caller resolves them through
-compat (this layer may not import it) and passes the gather in; a verl with patch 0008 needs neither
+compat (this layer may not import it) and passes the gather in; a verl with PR logits-reducers needs neither
 (``logits_reducer``)"""
 
 MODAL_KEY = "acpo_modal_log_probs"
