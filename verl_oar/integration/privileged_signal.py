@@ -17,8 +17,8 @@ size and offload. Per step:
    cut; ``overflow=truncate``) or is skipped (``overflow=skip``, or when even an empty question does not
    fit), counted; verl's synthetic padding rows are re-scored as they are (log-prob shift 0);
 3. every template's rows go into one TransferQueue partition of their own (``PARTITION``) and through
-   ONE ``compute_log_prob`` call at the rollout temperature (balanced across data-parallel ranks by
-   verl's ``balance_batch``, or its private ``_balance_batch`` without that PR; K templates x a batch that verl already made divisible keeps every
+   ONE ``compute_log_prob`` call at the rollout temperature (balanced across data-parallel ranks as verl
+   balances the batch, :func:`balance`; K templates x a batch that verl already made divisible keeps every
    divisibility of the old-log-prob call); the partition is cleared afterwards, also on error;
 4. the response tokens' log-probs minus a baseline are the shifts, written as nested (bs, response_len)
    fields under the batch's keys. The baseline is ``old_log_probs`` (the same actor, weights and
@@ -52,6 +52,8 @@ PARTITION = "verl_oar_privileged"
 """TransferQueue partition of the re-scored rows (never "train"/"val": verl's replay buffer reads those)"""
 CSCR_FIELDS = ("cscr_pos_shift", "cscr_neg_shift", "cscr_scored")
 OPPO_FIELDS = ("oppo_evidence", "oppo_scored")
+SEQLEN_PREFIX = "verl_oar_privileged_seqlen"
+"""``logging_prefix`` of the pass's balancing (its statistics are not logged)"""
 
 
 @dataclass
@@ -218,6 +220,18 @@ def relative_shifts(log_probs: list[torch.Tensor], scored: list[bool], old: list
     return out
 
 
+def balance(trainer, meta):
+    """``meta`` (a ``KVBatchMeta`` of the pass's rows) padded and reordered for the actor's data-parallel ranks as
+    verl balances the training batch: verl's public ``PPOTrainer.balance_batch`` when the trainer's class has it
+    (upstream PR ``balance-batch``), else the private ``_balance_batch`` through ``compat`` (the access is logged).
+    The balance statistics are dropped (verl's own step logs the training batch's)."""
+    if callable(getattr(type(trainer), "balance_batch", None)):
+        method = trainer.balance_batch
+    else:
+        method = compat.private_attr(trainer, "verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch")
+    return method(meta, metrics={}, logging_prefix=SEQLEN_PREFIX)
+
+
 def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreStats, teacher: bool = False,
             plain_baseline: bool = False) -> list[Rescored]:
     """Steps 1-4 of the module docstring for ``templates``, one ``Rescored`` each; one call in all: the actor's
@@ -254,9 +268,7 @@ def rescore(trainer, batch, templates: list[str], overflow: str, stats: RescoreS
             "calculate_entropy": False, "compute_loss": False,
             "temperature": trainer.config.actor_rollout_ref.rollout.temperature,
         })
-        balance = getattr(trainer, "balance_batch", None) or compat.private_attr(
-            trainer, "verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch")
-        meta = balance(meta, metrics={}, logging_prefix="verl_oar_privileged_seqlen")
+        meta = balance(trainer, meta)
         meta_keys = list(meta.keys)
         score = trainer.actor_rollout_wg.compute_teacher_log_prob if teacher else trainer.actor_rollout_wg.compute_log_prob
         output = score(meta)
