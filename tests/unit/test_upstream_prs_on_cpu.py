@@ -3,14 +3,18 @@
 One module-scoped ``upstream/apply.sh`` run copies the installed verl 0.9.1 (package + the tests its
 wheel ships) and builds one branch per PR: the PR's patches on plain verl, or on the one PR its ``BASE``
 names. Per PR, a worktree of that branch (first on ``PYTHONPATH``, plugins off) passes the PR's own tests
-(the test files its patches add) plus a few of verl's own CPU tests that cover the files it touches.
-Then the script itself: a subset pulls in its base, an unknown name is refused with the names there
-are, and ``--regenerate`` round-trips the patches byte for byte.
-Marked slow: about 2 minutes on 2 cores (one pytest process per PR, mostly imports).
+(the test files its patches add) plus a few of verl's own CPU tests that cover the files it touches; in the
+same process, verl-oar (this checkout) detects exactly that PR's seam (``upstream_hook.seams()``) and takes the
+public route where it has one (``test_upstream_seam_routes_on_cpu.route_report``); with all PRs applied, every
+seam and every public route. Then the script itself: subsets pull in their base, an unknown name is refused with
+the names there are, and ``--regenerate`` round-trips the patches byte for byte.
+Marked slow: about 3 minutes on 2 cores (one Python process per PR, mostly imports).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -33,15 +37,21 @@ VERL_TESTS = {
     ),
     "train-batch-hooks": ("tests/trainer/test_multi_trajectories_advantage_on_cpu.py",),
     "logits-reducers": (),
-    "replica-servers": (),
+    "replica-servers": ("tests/experimental/agent_loop/test_tool_call_id_on_cpu.py",),
     "balance-batch": ("tests/trainer/test_multi_trajectories_advantage_on_cpu.py",),
     "oar": ("tests/trainer/ppo/test_core_algos_on_cpu.py",),
 }
 """per PR, verl 0.9.1's own wheel tests that import the modules it touches and pass on this CPU machine
 (no wheel test imports verl/workers/engine/fsdp, which logits-reducers changes: its own tests build the
-engine's forward on CPU; the one wheel test that imports verl/workers/rollout/replica.py, which replica-servers changes,
-fails on plain verl 0.9.1 here (tests/experimental/agent_loop/test_agent_loop_extra_fields_schema_on_cpu.py, 4 of 7
-tests): the PR's own test covers its change)"""
+engine's forward on CPU; for replica-servers, test_tool_call_id_on_cpu.py imports replica.py and, through the agent
+loop, llm_server.py; test_agent_loop_extra_fields_schema_on_cpu.py imports them too but 4 of its 7 tests are async
+ones that need pytest-asyncio, which is not installed here)"""
+SEAMS = {"advantage-hooks": "advantage_hooks", "train-batch-hooks": "train_batch_hooks",
+         "logits-reducers": "logits_reducers", "replica-servers": "replica_servers", "balance-batch": "balance_batch"}
+"""PR -> the key of ``verl_oar.integration.upstream_hook.seams()`` that detects it (cpu-fixes and rollout-registry are
+detected by ``cpu/verl_patches.py``; oar by nothing yet)"""
+ROUTES = ROOT / "tests" / "unit" / "test_upstream_seam_routes_on_cpu.py"
+"""``route_report`` / ``check_routes``: the plugin's route at the replica-servers and balance-batch seams"""
 PRS = tuple(sorted(SERIES.glob("[0-9][0-9]-*")))
 
 
@@ -59,6 +69,13 @@ def _apply(dest: Path, *args: str, series: Path | None = None) -> subprocess.Com
 
 def _name(pr: Path) -> str:
     return pr.name[3:]
+
+
+def _load_routes():
+    spec = importlib.util.spec_from_file_location("upstream_seam_routes", ROUTES)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _own_tests(pr: Path) -> list[str]:
@@ -79,6 +96,7 @@ def applied(tmp_path_factory) -> Path:
 
 def test_the_layout_names_every_pr_and_its_tests():
     assert [_name(p) for p in PRS] == list(VERL_TESTS), "a PR was added or renamed: give it its verl tests here"
+    assert set(SEAMS) <= set(VERL_TESTS), sorted(set(SEAMS) - set(VERL_TESTS))
     for pr in PRS:
         assert (pr / "PR.md").is_file() and list(pr.glob("*.patch")), pr
         assert _own_tests(pr), f"{pr.name} adds no test"
@@ -100,16 +118,49 @@ def test_each_pr_alone_passes_its_tests_and_verls(applied, pr, tmp_path):
     tests = [*_own_tests(pr), *VERL_TESTS[name]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]),
            "VERL_USE_EXTERNAL_PLUGINS": "none"}  # verl's tests of verl alone (verl-oar loads on `import verl`)
-    run = (  # one process: check that verl comes from the PR's copy, then run the tests there
-        "import sys, pytest, verl\n"
+    report = tmp_path / "routes.json"
+    run = (  # one process: check that verl comes from the PR's copy, run the tests there, then the plugin's routes
+        "import importlib.util, json, sys, pytest, verl\n"
         "assert verl.__file__.startswith(sys.argv[1]), verl.__file__\n"
-        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', *sys.argv[2:]]))\n"
+        "rc = pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', *sys.argv[4:]])\n"
+        "spec = importlib.util.spec_from_file_location('routes', sys.argv[2])\n"
+        "routes = importlib.util.module_from_spec(spec); spec.loader.exec_module(routes)\n"
+        "open(sys.argv[3], 'w').write(json.dumps(routes.route_report()))\n"
+        "sys.exit(rc)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", run, str(tree), *tests], cwd=tree, env=env,
+    proc = subprocess.run([sys.executable, "-c", run, str(tree), str(ROUTES), str(report), *tests], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
-    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    summary = [line for line in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in last and "skipped" not in last and "error" not in last, proc.stdout[-2000:]
+    assert summary and " passed" in summary[-1] and "skipped" not in summary[-1] and "error" not in summary[-1], (
+        proc.stdout[-2000:])
+    # the plugin (verl_oar from this checkout) on the PR's verl: exactly this PR's seams (and its base's) detected,
+    # and at replica-servers / balance-batch the public route taken (else the private one, logged)
+    routes = _load_routes()
+    got = json.loads(report.read_text())
+    assert {k for k, v in got["seams"].items() if v} == {SEAMS[n] for n in (name, base) if n in SEAMS}, got["seams"]
+    routes.check_routes(got)
+
+
+@pytest.mark.slow
+def test_all_prs_together_give_the_plugin_every_seam_and_public_route(applied, tmp_path):
+    tree = tmp_path / "all"
+    _git(applied, "worktree", "add", "-q", "--detach", str(tree), "main")
+    report = tmp_path / "routes.json"
+    run = ("import importlib.util, json, sys, verl\n"
+           "assert verl.__file__.startswith(sys.argv[1]), verl.__file__\n"
+           "spec = importlib.util.spec_from_file_location('routes', sys.argv[2])\n"
+           "routes = importlib.util.module_from_spec(spec); spec.loader.exec_module(routes)\n"
+           "open(sys.argv[3], 'w').write(json.dumps(routes.route_report()))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    proc = subprocess.run([sys.executable, "-c", run, str(tree), str(ROUTES), str(report)], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(report.read_text())
+    assert got["seams"] == dict.fromkeys(SEAMS.values(), True), got["seams"]
+    assert got["balance_logged"] == [] and got["hf_replica_uses_setters"], got
+    _load_routes().check_routes(got)
 
 
 @pytest.mark.slow
@@ -121,6 +172,15 @@ def test_a_subset_pulls_in_its_base_and_an_unknown_name_is_refused(tmp_path):
     assert sorted(branches) == ["main", "pr/advantage-hooks", "pr/cpu-fixes", "pr/oar"]
     subjects = _git(tmp_path / "a", "log", "--reverse", "--format=%s", "verl-0.9.1-wheel..main").splitlines()
     assert [s.split("]")[0] + "]" for s in subjects] == ["[misc]", "[fsdp]", "[algo]", "[trainer]", "[algo]"], subjects
+
+    proc = _apply(tmp_path / "c", "--prs", "replica-servers,balance-batch,oar")  # the last three, oar's base pulled in
+    assert proc.returncode == 0, proc.stderr
+    assert "oar builds on advantage-hooks: applying advantage-hooks too" in proc.stderr
+    branches = _git(tmp_path / "c", "branch", "--format=%(refname:short)").split()
+    assert sorted(branches) == ["main", "pr/advantage-hooks", "pr/balance-batch", "pr/oar", "pr/replica-servers"]
+    subjects = _git(tmp_path / "c", "log", "--reverse", "--format=%s", "verl-0.9.1-wheel..main").splitlines()
+    assert [s.split("]")[0] + "]" for s in subjects] == ["[algo]", "[trainer]", "[rollout]", "[trainer]", "[algo]"], (
+        subjects)
 
     proc = _apply(tmp_path / "b", "--prs", "cpu-fixes,no-such-pr")
     assert proc.returncode == 2 and "no PR named 'no-such-pr'" in proc.stderr and "rollout-registry" in proc.stderr
