@@ -53,7 +53,6 @@ UNROUTED = {
         "launch_servers (verl's own replicas do); CPU mode, only without the replica-servers PR (then the public "
         "setters; cpu/ may not import integration/, so not logged: the series' e2e test checks the setters are used)",
     ("cpu/hf_rollout.py", "_server_address"): "as _server_handle",
-    ("testbed/fast_step.py", "_val_metrics_update"): "compat.PRIVATE_NAMES; the testbed's fast runner only",
 }
 """(module, name) -> the private verl name touched outside compat, and why it is not routed through compat (yet)"""
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_oar.integration import compat
 from verl_oar.testbed.fast_actor import (
     UNSUPPORTED, Actor, TrainerView, compute_advantages, estimator_metrics, importance_report, sample_tensors,
     signal_providers,
@@ -91,8 +92,8 @@ class FastTrainer:
         sources = [str(s.row["data_source"]) for s in samples]
         expected = {(str(r["data_source"]), u): self.rollout.val_n for r, u in zip(rows, uids, strict=True)}
         # verl's own (it reads nothing of the trainer)
-        return PPOTrainer._val_metrics_update(None, sources, [s.uid for s in samples], infos, [2] * len(samples),
-                                              expected_acc_counts=expected)
+        update = compat.private_attr(PPOTrainer, "verl.trainer.ppo.v1.trainer_base.PPOTrainer._val_metrics_update")
+        return update(None, sources, [s.uid for s in samples], infos, [2] * len(samples), expected_acc_counts=expected)
 
     # -------------------------------------------------------------------------------------------
     # training
