@@ -27,7 +27,8 @@ from verl_oar.integration import upstream_hook
 from verl_oar.integration.codapo_sampling import CoDaSamplingMixin
 from verl_oar.integration.codapo_train_batch_hooks import STATE_ATTR
 
-assert upstream_hook.seams() == {"advantage_hooks": True, "train_batch_hooks": True, "logits_reducers": True}
+assert upstream_hook.seams() == dict(advantage_hooks=True, train_batch_hooks=True, logits_reducers=True, replica_servers=True,
+                                     balance_batch=True), upstream_hook.seams()
 hooks = get_train_batch_hooks("codapo")
 assert all(get_train_batch_hooks(n) is hooks for n in ("oar_g", "oar_p", "cscr", "oppo", "acpo"))
 assert get_train_batch_hooks("grpo") is not hooks
