@@ -3,17 +3,23 @@
     python benchmarks/study.py run --phase tuning --task fill2 --methods grpo,oar_g --lrs 0.5e-3,1e-3 \
         --seeds 1000-1004 --steps 32 [--shard 0/2] [--runs-dir runs/study]
     python benchmarks/study.py run --phase eval --task fill2 --methods grpo@1e-3,oar_g@2e-3 --seeds 2000-2019 --steps 28
-    python benchmarks/study.py collect --out benchmarks/results_study_cpu.json [--tasks fill2] [--runs-dir runs/study]
+    python benchmarks/study.py store [--runs-dir runs/study]
+    python benchmarks/study.py collect --out benchmarks/results_study_cpu.json [--tasks fill2]
 
 ``run`` trains each run of the grid in this process (one torch thread; start two processes with ``--shard 0/2`` and
 ``--shard 1/2`` to use two cores) and writes verl's file-logger metric file
-``RUNS/PHASE/TASK/METHOD/lr{LR}_seed{SEED}.jsonl``; a run whose file already holds its last step is skipped, so an
-interrupted phase resumes where it stopped (a partial file is rerun from the start: the runner is deterministic).
-A run that raises is recorded as ``...jsonl.error`` (the traceback) and counted as censored by the analysis
-(docs/study.md: no run is dropped or re-run).
+``RUNS/PHASE/TASK/METHOD/lr{LR}_seed{SEED}.jsonl`` (git-ignored scratch). A run that raises is recorded as
+``...jsonl.error`` (the traceback) and counted as censored by the analysis (docs/study.md: no run is dropped or
+re-run).
 
-``collect`` gathers every finished run into one results JSON (machine, settings, commands, per-run curves and
-seconds) that ``verl_oar.testbed.study_analysis`` reads.
+Every finished run is appended, as one line (its curves, seconds, error if any and CPU), to the committed run store
+``benchmarks/study_runs/`` (one file per phase and task): the study spans many sessions on machines whose scratch
+does not survive, and the store is what is kept. ``run`` skips a run found in the store or whose metric file already
+holds its last step, so an interrupted phase resumes where it stopped (a partial file is rerun from the start: the
+runner is deterministic). ``store`` adds finished runs of the scratch directory that the store lacks.
+
+``collect`` gathers the store's runs of the listed tasks into one results JSON (machine, settings, commands, per-run
+curves and seconds) that ``verl_oar.testbed.study_analysis`` reads.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = {"fill2": None, "fill8": "fill8", "fill32": "fill32"}
 """study task -> testbed variant folder name (None: the committed start)"""
+STORE = ROOT / "benchmarks" / "study_runs"
+"""the committed run store: one ``PHASE_TASK.jsonl`` per phase and task, one finished run per line"""
+KEY = ("phase", "task", "method", "lr", "seed")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -61,6 +70,55 @@ def finished(path: Path, steps: int) -> bool:
     return False
 
 
+def store_file(store: Path, phase: str, task: str) -> Path:
+    return store / f"{phase}_{task}.jsonl"
+
+
+def read_store(store: Path, phase: str | None = None, task: str | None = None) -> list[dict]:
+    """Every stored run (of one phase / task when given); a run stored twice is refused (the store is append-only
+    and ``run`` skips stored runs, so a duplicate means two processes ran the same grid cell)."""
+    runs, seen = [], set()
+    pattern = f"{phase or '*'}_{task or '*'}.jsonl"
+    for path in sorted(store.glob(pattern)):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            key = tuple(entry[k] for k in KEY)
+            if key in seen:
+                raise SystemExit(f"study.py: {path}:{number} stores {dict(zip(KEY, key))} a second time; keep the "
+                                 "first line (the run is deterministic) and delete the other")
+            seen.add(key)
+            runs.append(entry)
+    return runs
+
+
+def entry_of(path: Path, phase: str, task: str, method: str, lr: float, seed: int) -> dict | None:
+    """A finished run's compact record (what the analysis reads), or None while the run is unfinished."""
+    meta_path = Path(str(path) + ".meta.json")
+    if not meta_path.exists():
+        return None
+    meta = json.loads(meta_path.read_text())
+    entry = {"phase": phase, "task": task, "method": method, "lr": lr, "seed": seed,
+             "steps": meta["steps"], "seconds": meta["seconds"]}
+    error = Path(str(path) + ".error")
+    if error.exists():
+        entry["error"] = error.read_text()[-2000:]
+    elif finished(path, meta["steps"]):
+        entry.update(read_run(path))
+    else:
+        return None
+    entry["cpu"] = meta.get("cpu", "unknown")
+    return entry
+
+
+def append_to_store(store: Path, entry: dict) -> None:
+    """One line in one write call on a file opened for appending, so that two shards' lines land whole."""
+    store.mkdir(parents=True, exist_ok=True)
+    with open(store_file(store, entry["phase"], entry["task"]), "a") as out:
+        out.write(json.dumps(entry) + "\n")
+
+
 def testbed_dir(task: str) -> Path | None:
     variant = TASKS[task]
     return None if variant is None else ROOT / "verl_oar" / "testbed" / "variants" / variant
@@ -69,6 +127,7 @@ def testbed_dir(task: str) -> Path | None:
 def cmd_run(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from verl_oar.testbed.fast_runner import METHODS, run
+    from verl_oar.testbed.machine import machine_info
     from verl_oar.testbed.training_runs import RunSettings
 
     lrs = [float(x) for x in (args.lrs or "").split(",") if x]
@@ -86,11 +145,13 @@ def cmd_run(args) -> int:
     grid = [(m, lr, s) for s in parse_seeds(args.seeds) for m, lr in cells]
     index, count = (int(x) for x in args.shard.split("/"))
     mine = grid[index::count]
-    runs_dir = Path(args.runs_dir)
+    runs_dir, store = Path(args.runs_dir), Path(args.store)
+    stored = {tuple(e[k] for k in KEY) for e in read_store(store, args.phase, args.task)}
+    cpu = machine_info()["cpu"]
     done = 0
     for method, lr, seed in mine:
         path = run_path(runs_dir, args.phase, args.task, method, lr, seed)
-        if finished(path, args.steps):
+        if (args.phase, args.task, method, lr, seed) in stored or finished(path, args.steps):
             done += 1
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,8 +166,9 @@ def cmd_run(args) -> int:
         except Exception:  # recorded, counted as censored by the analysis (never re-run silently)
             Path(str(path) + ".error").write_text(traceback.format_exc())
             print(f"[study] {path} FAILED (see .error)", flush=True)
-        meta = {"steps": args.steps, "seconds": round(time.time() - began, 2)}
+        meta = {"steps": args.steps, "seconds": round(time.time() - began, 2), "cpu": cpu}
         Path(str(path) + ".meta.json").write_text(json.dumps(meta) + "\n")
+        append_to_store(store, entry_of(path, args.phase, args.task, method, lr, seed))
         done += 1
         print(f"[study] {args.phase} {args.task} shard {args.shard}: {done}/{len(mine)}", flush=True)
     return 0
@@ -124,36 +186,44 @@ def read_run(path: Path) -> dict:
     }
 
 
-def cmd_collect(args) -> int:
-    from verl_oar.testbed.machine import machine_info
-
-    runs_dir = Path(args.runs_dir)
-    out = Path(args.out)
-    runs, unfinished = [], 0
+def cmd_store(args) -> int:
+    """Add the scratch directory's finished runs that the store lacks (runs finished before the store existed)."""
+    runs_dir, store = Path(args.runs_dir), Path(args.store)
+    stored = {tuple(e[k] for k in KEY) for e in read_store(store)}
+    added = unfinished = 0
     for meta_path in sorted(runs_dir.glob("*/*/*/*.jsonl.meta.json")):
         path = Path(str(meta_path)[: -len(".meta.json")])
         phase, task, method = path.parts[-4:-1]
-        if args.tasks and task not in args.tasks.split(","):
-            continue
         lr_part, seed_part = path.stem.split("_seed")
-        meta = json.loads(meta_path.read_text())
-        entry = {"phase": phase, "task": task, "method": method, "lr": float(lr_part[2:]), "seed": int(seed_part),
-                 "steps": meta["steps"], "seconds": meta["seconds"]}
-        error = Path(str(path) + ".error")
-        if error.exists():
-            entry["error"] = error.read_text()[-2000:]
-        elif finished(path, meta["steps"]):
-            entry.update(read_run(path))
-        else:
+        key = (phase, task, method, float(lr_part[2:]), int(seed_part))
+        if key in stored:
+            continue
+        entry = entry_of(path, *key)
+        if entry is None:
             unfinished += 1
             continue
-        runs.append(entry)
+        append_to_store(store, entry)
+        added += 1
+    print(f"study.py: {added} runs added to {store} ({unfinished} unfinished left out)")
+    return 0
+
+
+def cmd_collect(args) -> int:
+    from verl_oar.testbed.machine import machine_info
+
+    out = Path(args.out)
+    tasks = [t for t in args.tasks.split(",") if t]
+    runs = [e for e in read_store(Path(args.store)) if not tasks or e["task"] in tasks]
+    cpus: dict[str, int] = {}
+    for entry in runs:
+        cpus[entry["cpu"]] = cpus.get(entry["cpu"], 0) + 1
     previous = json.loads(out.read_text()) if out.exists() else {}
     result = {
         "what": "docs/study.md: pick_max credit-assignment study, fast runner (verl's math in one process)",
         "commands": previous.get("commands", []) + ([args.note] if args.note else []),
-        "machine": {**machine_info(), "torch_threads_per_run": 1,
-                    "note": "2 runs at a time (one per core), beside other jobs: seconds are upper bounds"},
+        "machine": {**machine_info(), "torch_threads_per_run": 1, "runs_per_cpu": cpus,
+                    "note": "collected here; each run's CPU is in its entry (runs_per_cpu counts them); 2 runs at "
+                            "a time (one per core), beside other jobs: seconds are upper bounds"},
         "settings": {"batch_size": 8, "n": 8, "val_every": 4, "val_prompts": 64, "threshold": 0.8, "window": 3},
         "study_seconds": previous.get("study_seconds"),
         "runs": runs,
@@ -161,7 +231,7 @@ def cmd_collect(args) -> int:
     if args.study_seconds is not None:
         result["study_seconds"] = args.study_seconds
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"study.py: {len(runs)} runs -> {out} ({unfinished} unfinished left out)")
+    print(f"study.py: {len(runs)} runs -> {out}")
     return 0
 
 
@@ -177,15 +247,19 @@ def main(argv=None) -> int:
     r.add_argument("--steps", type=int, required=True)
     r.add_argument("--shard", default="0/1")
     r.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
+    r.add_argument("--store", default=str(STORE))
+    st = sub.add_parser("store")
+    st.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
+    st.add_argument("--store", default=str(STORE))
     c = sub.add_parser("collect")
     c.add_argument("--out", required=True)
-    c.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
+    c.add_argument("--store", default=str(STORE))
     c.add_argument("--tasks", default="", help="only these tasks, comma-separated (a task's results are committed "
                    "once its evaluation phase is complete)")
     c.add_argument("--note", default="", help="a command line to record with the results")
     c.add_argument("--study-seconds", type=float, default=None)
     args = p.parse_args(argv)
-    return cmd_run(args) if args.cmd == "run" else cmd_collect(args)
+    return {"run": cmd_run, "store": cmd_store, "collect": cmd_collect}[args.cmd](args)
 
 
 if __name__ == "__main__":

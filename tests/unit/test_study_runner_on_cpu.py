@@ -42,8 +42,8 @@ def _write_run(path: Path, steps: int, *, last: int | None = None, error: bool =
         Path(str(path) + ".meta.json").write_text(json.dumps({"steps": steps, "seconds": 1.5}))
 
 
-def test_finished_and_collect(study, tmp_path):
-    runs = tmp_path / "runs"
+def test_finished_store_and_collect(study, tmp_path):
+    runs, store = tmp_path / "runs", tmp_path / "store"
     done = study.run_path(runs, "tuning", "fill2", "grpo", 1e-3, 1000)
     partial = study.run_path(runs, "tuning", "fill2", "grpo", 1e-3, 1001)
     crashed = study.run_path(runs, "tuning", "fill2", "oar_g", 4e-3, 1000)
@@ -51,15 +51,37 @@ def test_finished_and_collect(study, tmp_path):
     _write_run(partial, 6, last=3)
     _write_run(crashed, 6, last=2, error=True)
     assert study.finished(done, 6) and not study.finished(partial, 6) and study.finished(crashed, 6)
+    args = ["--runs-dir", str(runs), "--store", str(store)]
+    assert study.main(["store", *args]) == 0
+    assert study.main(["store", *args]) == 0  # a second pass adds nothing
+    assert len(study.read_store(store)) == 2  # the unfinished run is left out
     out = tmp_path / "results.json"
-    assert study.main(["collect", "--out", str(out), "--runs-dir", str(runs), "--note", "cmd"]) == 0
+    assert study.main(["collect", "--out", str(out), "--store", str(store), "--note", "cmd"]) == 0
     result = json.loads(out.read_text())
     by_seed = {(r["method"], r["seed"]): r for r in result["runs"]}
-    assert set(by_seed) == {("grpo", 1000), ("oar_g", 1000)}  # the unfinished run is left out
+    assert set(by_seed) == {("grpo", 1000), ("oar_g", 1000)}
     assert by_seed[("grpo", 1000)]["reward"] == [0.51, 0.52, 0.53, 0.54, 0.55, 0.56]
     assert by_seed[("grpo", 1000)]["val_accuracy"] == {"0": 0.4, "6": 0.9}
     assert by_seed[("oar_g", 1000)]["steps"] == 6 and "NoAnswerError" in by_seed[("oar_g", 1000)]["error"]
-    assert result["commands"] == ["cmd"]
+    assert result["commands"] == ["cmd"] and result["machine"]["runs_per_cpu"] == {"unknown": 2}
+    # another task's collect leaves these out; a run stored twice is refused with the fix named
+    assert study.main(["collect", "--out", str(tmp_path / "r8.json"), "--store", str(store), "--tasks", "fill8"]) == 0
+    assert json.loads((tmp_path / "r8.json").read_text())["runs"] == []
+    line = study.store_file(store, "tuning", "fill2").read_text().splitlines()[0]
+    with open(study.store_file(store, "tuning", "fill2"), "a") as f:
+        f.write(line + "\n")
+    with pytest.raises(SystemExit, match="a second time; keep the first line"):
+        study.read_store(store)
+
+
+def test_the_committed_store_holds_the_committed_results(study):
+    """The results JSON is collected from the store: every committed run is in it, with the CPU it ran on."""
+    results = json.loads((ROOT / "benchmarks" / "results_study_cpu.json").read_text())
+    stored = {tuple(e[k] for k in study.KEY): e for e in study.read_store(study.STORE)}
+    for run in results["runs"]:
+        entry = stored[tuple(run[k] for k in study.KEY)]
+        assert {k: v for k, v in entry.items() if k != "cpu"} == {k: v for k, v in run.items() if k != "cpu"}
+        assert entry["cpu"]
 
 
 @pytest.mark.parametrize("method,key,value", [
@@ -82,12 +104,16 @@ def test_ablation_methods_change_one_oar_setting_of_oar_g(method, key, value, tm
 
 
 def test_a_method_at_one_rate_and_refusals(study, tmp_path, capsys):
-    runs = tmp_path / "runs"
+    runs, store = tmp_path / "runs", tmp_path / "store"
     for seed in (7, 8):  # already finished: the runner skips them (nothing is trained here)
         for method, lr in (("grpo", 1e-3), ("oar_g", 2e-3)):
             _write_run(study.run_path(runs, "eval", "fill2", method, lr, seed), 4)
+    for method, lr in (("grpo", 1e-3), ("oar_g", 2e-3)):  # seed 9: in the store only (another machine's scratch)
+        study.append_to_store(store, {"phase": "eval", "task": "fill2", "method": method, "lr": lr, "seed": 9,
+                                      "steps": 4, "seconds": 1.0, "reward": [0.5] * 4, "val_accuracy": {}, "cpu": "x"})
     assert study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "grpo@1e-3,oar_g@2e-3",
-                       "--seeds", "7,8", "--steps", "4", "--runs-dir", str(runs)]) == 0
+                       "--seeds", "7-9", "--steps", "4", "--runs-dir", str(runs), "--store", str(store)]) == 0
+    assert len(study.read_store(store)) == 2 and not (runs / "eval" / "fill2" / "grpo" / "lr0.001_seed9.jsonl").exists()
     with pytest.raises(SystemExit, match="has no rate"):
         study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "grpo", "--seeds", "7", "--steps", "4",
                     "--runs-dir", str(runs)])
