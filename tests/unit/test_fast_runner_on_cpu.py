@@ -201,19 +201,40 @@ def fresh_process(tmp_path_factory):
     return json.loads(line[len("REPLAY "):]), out, done.stdout
 
 
+def _fixture_cpu_is_this_one() -> bool:
+    from verl_oar.testbed.machine import machine_info
+
+    return json.loads((FIXTURE / "fixture.json").read_text())["machine"]["cpu"] == machine_info()["cpu"]
+
+
 def test_replayed_step_matches_main_ppo(fresh_process):
+    """Bit for bit on the fixture's CPU. On another CPU, float32 kernels round differently (measured on an Intel
+    Xeon against the AMD EPYC fixture: importance within 2e-6 of the dump's, entropy 1.1e-6), and a token whose
+    importance sits at a bi-level quantile moves tier, so OAR advantages and the loss's gradient differ there:
+    the importance is then checked to float32 accuracy, the masks and GRPO bit for bit, the OAR advantages on the
+    dump's own importance bit for bit (test_advantages_equal_main_ppos_dumps_bit_for_bit), and the strict check is
+    one ``python -m verl_oar.testbed.fast_check make-fixture tests/fixtures/fast_runner`` away on that CPU."""
     report, _, _ = fresh_process
+    strict = _fixture_cpu_is_this_one()
     for method in ("oar_g", "oar_p"):
         entry = report[method]
         assert entry["rows"] == 64
-        assert entry["oar_importance_identical"] and entry["oar_reasoning_mask_identical"], entry
-        assert entry["oar_answer_mask_identical"] and entry["advantages_identical"], entry
+        assert entry["oar_reasoning_mask_identical"] and entry["oar_answer_mask_identical"], entry
+        if strict:
+            assert entry["oar_importance_identical"] and entry["advantages_identical"], entry
+        else:
+            assert entry["oar_importance_max_abs_diff"] <= 1e-4 * entry["oar_importance_max_abs"], entry
     for method, entry in report.items():
         assert entry["grpo_advantages_identical"], (method, entry)
         assert entry["score_mean"] == entry["logged_score_mean"], (method, entry)
-        if method != "grpo":  # the same rows in the same order through the same engine: bit-identical
-            for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
-                assert entry[name]["abs_diff"] == 0.0, (method, name, entry)
+        if method != "grpo":
+            if strict:  # the same rows in the same order through the same engine: bit-identical
+                for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+                    assert entry[name]["abs_diff"] == 0.0, (method, name, entry)
+            else:  # entropy precedes the advantages; the gradient follows them (a tier move: 0.6% measured)
+                assert entry["actor/entropy"]["abs_diff"] <= 1e-5, entry
+                assert entry["actor/pg_loss"]["abs_diff"] <= 1e-6, entry
+                assert entry["actor/grad_norm"]["abs_diff"] <= 0.05 * entry["actor/grad_norm"]["main_ppo"], entry
             continue
         # GRPO's run dumped nothing: replayed on OAR-G's dump, whose rows are GRPO's step-1 rollouts in another
         # order (each run's rollouts finish in their own order), so sums round differently. pg_loss is minus the
@@ -221,7 +242,7 @@ def test_replayed_step_matches_main_ppo(fresh_process):
         # float32 rounding of a 2.5k-term sum of O(1) terms, divided by the count, is below 1e-6
         assert entry["actor/pg_loss"]["abs_diff"] <= 1e-6, entry
         assert entry["actor/grad_norm"]["abs_diff"] <= 1e-6 * entry["actor/grad_norm"]["main_ppo"], entry
-        assert entry["actor/entropy"]["abs_diff"] <= 1e-6, entry
+        assert entry["actor/entropy"]["abs_diff"] <= (1e-6 if strict else 1e-5), entry
 
 
 def test_cli_run_writes_verls_metric_file_that_the_comparison_reads(fresh_process):

@@ -132,6 +132,8 @@ def replay(fixture: str | Path) -> dict:
             "score_mean": metrics["critic/score/mean"], "logged_score_mean": logged["critic/score/mean"],
             "advantages_identical": method == "grpo"
             or bool(torch.equal(trainer.last_batch["advantages"], dump["advantages"])),
+            "advantages_max_abs_diff": 0.0 if method == "grpo"
+            else float((trainer.last_batch["advantages"].double() - dump["advantages"].double()).abs().max()),
             "grpo_advantages_identical": bool(torch.equal(
                 (signals.artifacts["grpo_advantages"] if method != "grpo" else trainer.last_batch["advantages"]),
                 dump["grpo_advantages"])),
@@ -141,6 +143,7 @@ def replay(fixture: str | Path) -> dict:
                 entry[f"{name}_identical"] = bool(torch.equal(signals.tensors[name], dump[name]))
                 diff = signals.tensors[name].double() - dump[name].double()
                 entry[f"{name}_max_abs_diff"] = float(diff.abs().max())
+                entry[f"{name}_max_abs"] = float(dump[name].double().abs().max())
         for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             entry[name] = {"runner": float(metrics[name]), "main_ppo": float(logged[name]),
                            "abs_diff": abs(float(metrics[name]) - float(logged[name]))}
