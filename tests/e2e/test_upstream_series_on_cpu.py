@@ -13,7 +13,10 @@ applied by ``upstream/apply.sh``; then, against that copy (first on ``PYTHONPATH
    - resumed from its step-1 checkpoint (after a first use) and from its step-2 checkpoint (after a second use),
      one step each: the resumed step trains exactly as the uninterrupted run's (same rollouts, bit-equal dumps);
    - ``acpo`` (modal surrogate), 1 step: the top-1 log-probs through verl's logits reducer (PR logits-reducers);
-   and none of them touches a private verl name (``compat``'s access log, written by every process of a run, stays
+   - ``cscr``, 1 step: the re-scoring batch balanced through verl's public ``PPOTrainer.balance_batch`` (PR
+     balance-batch; without it the private ``_balance_batch``, which the access log would list);
+   and, in every launch, the CPU rollout's replica publishing its server through the public setters (PR
+   replica-servers); none of them touches a private verl name (``compat``'s access log, written by every process of a run, stays
    empty) or monkeypatches verl in CPU mode.
 Marked slow: the launches take about 1-2 minutes each on 2 cores.
 """
@@ -265,4 +268,24 @@ def test_acpo_modal_surrogate_through_verls_logits_reducer(patched_verl, cpu_wor
     h = d["acpo_surrogate"]
     assert (h[mask] >= -1e-5).all() and (h[mask] <= d["acpo_entropy"][mask] + 1e-4).all()  # 0 <= -log p_max <= H
     expected = acpo_advantages(h, sequence_values(d["grpo_advantages"], mask), mask, ACPOConfig()).advantages
+    torch.testing.assert_close(d["advantages"], expected * mask, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_cscr_rescoring_balanced_through_verls_public_balance_batch(patched_verl, cpu_workspace_dir, tmp_path):
+    from verl_oar.core.cscr import CSCRConfig, cscr_advantages
+
+    rc, text, records = _launch(patched_verl, cpu_workspace_dir, tmp_path, "e2e_series_cscr", 1, "cscr")
+    assert rc == 0, text[-6000:]
+    assert HOOK_LINE in text, text[-6000:]
+    _no_private_access(tmp_path)  # the private _balance_batch route would be logged here
+    assert [r["step"] for r in records] == [1]
+    data = records[0]["data"]
+    assert data["cscr/sign_violations"] == 0 and data["cscr/rescore/skipped"] == 0, data
+    d = torch.load(tmp_path / "dump" / "step_1.pt")
+    mask = d["response_mask"].bool()
+    assert d["cscr_neg_shift"][mask].abs().max() > 1e-2  # the re-scoring pass ran and moved the log-probs
+    grpo = d["grpo_advantages"]
+    sequence = grpo[torch.arange(len(grpo)), mask.float().argmax(1)] * mask.any(1)
+    expected = cscr_advantages(sequence, d["cscr_pos_shift"], d["cscr_neg_shift"], mask, CSCRConfig()).advantages
     torch.testing.assert_close(d["advantages"], expected * mask, atol=1e-6, rtol=1e-5)
