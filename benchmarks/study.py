@@ -1,13 +1,14 @@
 """The study's runs (docs/study.md): every (task, method, learning rate, seed) of a phase through the fast runner.
 
     python benchmarks/study.py run --phase tuning --task fill2 --methods grpo,oar_g --lrs 0.5e-3,1e-3 \
-        --seeds 1000-1004 --steps 32 [--shard 0/2] [--runs-dir runs/study]
+        --seeds 1000-1004 --steps 32 [--runs-dir runs/study]
     python benchmarks/study.py run --phase eval --task fill2 --methods grpo@1e-3,oar_g@2e-3 --seeds 2000-2019 --steps 28
     python benchmarks/study.py store [--runs-dir runs/study]
     python benchmarks/study.py collect --out benchmarks/results_study_cpu.json [--tasks fill2]
 
-``run`` trains each run of the grid in this process (one torch thread; start two processes with ``--shard 0/2`` and
-``--shard 1/2`` to use two cores) and writes verl's file-logger metric file
+``run`` trains each run of the grid in this process (one torch thread; start the same command twice to use two cores:
+each process claims the next run nobody has claimed, through a ``.claim`` file holding its pid, taken over when that
+process is gone; ``--shard i/n`` splits the grid statically instead) and writes verl's file-logger metric file
 ``RUNS/PHASE/TASK/METHOD/lr{LR}_seed{SEED}.jsonl`` (git-ignored scratch). A run that raises is recorded as
 ``...jsonl.error`` (the traceback) and counted as censored by the analysis (docs/study.md: no run is dropped or
 re-run).
@@ -119,6 +120,40 @@ def append_to_store(store: Path, entry: dict) -> None:
         out.write(json.dumps(entry) + "\n")
 
 
+def claim(path: Path) -> bool:
+    """Whether this process may train the run at ``path``: it creates ``PATH.claim`` (its pid) exclusively, or takes
+    over a claim whose process has ended (an interrupted run is rerun from the start)."""
+    lock = Path(str(path) + ".claim")
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                owner = int(lock.read_text() or 0)
+            except (OSError, ValueError):
+                owner = 0
+            if owner == os.getpid():
+                return True
+            if owner and _alive(owner):
+                return False
+            lock.unlink(missing_ok=True)  # its process is gone; two takers race on O_EXCL above, one wins
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def testbed_dir(task: str) -> Path | None:
     variant = TASKS[task]
     return None if variant is None else ROOT / "verl_oar" / "testbed" / "variants" / variant
@@ -155,6 +190,9 @@ def cmd_run(args) -> int:
             done += 1
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
+        if not claim(path) or finished(path, args.steps):  # another process trains it, or just has
+            done += 1
+            continue
         path.unlink(missing_ok=True)
         settings = RunSettings(steps=args.steps, lr=lr)
         Path(str(path) + ".error").unlink(missing_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -120,3 +121,20 @@ def test_a_method_at_one_rate_and_refusals(study, tmp_path, capsys):
     with pytest.raises(SystemExit, match="unknown method"):
         study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "cscr@1e-3", "--seeds", "7",
                     "--steps", "4", "--runs-dir", str(runs)])
+
+
+def test_two_processes_share_a_grid_through_claims(study, tmp_path):
+    import subprocess
+
+    path = tmp_path / "eval" / "fill2" / "grpo" / "lr0.001_seed7.jsonl"
+    path.parent.mkdir(parents=True)
+    assert study.claim(path) and study.claim(path)  # this process's own claim holds
+    lock = Path(str(path) + ".claim")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        lock.write_text(str(live.pid))
+        assert not study.claim(path)  # another live process trains it
+    finally:
+        live.kill()
+        live.wait()
+    assert study.claim(path) and lock.read_text() == str(os.getpid())  # its process is gone: taken over
