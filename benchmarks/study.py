@@ -4,6 +4,7 @@
         --seeds 1000-1004 --steps 32 [--runs-dir runs/study]
     python benchmarks/study.py run --phase eval --task fill2 --methods grpo@1e-3,oar_g@2e-3 --seeds 2000-2019 --steps 28
     python benchmarks/study.py store [--runs-dir runs/study]
+    python benchmarks/study.py status
     python benchmarks/study.py collect --out benchmarks/results_study_cpu.json [--tasks fill2]
 
 ``run`` trains each run of the grid in this process (one torch thread; start the same command twice to use two cores:
@@ -19,8 +20,9 @@ does not survive, and the store is what is kept. ``run`` skips a run found in th
 holds its last step, so an interrupted phase resumes where it stopped (a partial file is rerun from the start: the
 runner is deterministic). ``store`` adds finished runs of the scratch directory that the store lacks.
 
-``collect`` gathers the store's runs of the listed tasks into one results JSON (machine, settings, commands, per-run
-curves and seconds) that ``verl_oar.testbed.study_analysis`` reads.
+``status`` counts the stored runs per phase, task, method and rate (crashed ones apart). ``collect`` gathers the
+store's runs of the listed tasks into one results JSON (machine, settings, commands, per-run curves and seconds) that
+``verl_oar.testbed.study_analysis`` reads.
 """
 
 from __future__ import annotations
@@ -246,6 +248,16 @@ def cmd_store(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    counts: dict[tuple, list[int]] = {}
+    for entry in read_store(Path(args.store)):
+        cell = counts.setdefault((entry["phase"], entry["task"], entry["method"], entry["lr"]), [0, 0])
+        cell[1 if "error" in entry else 0] += 1
+    for (phase, task, method, lr), (ok, crashed) in sorted(counts.items()):
+        print(f"{phase:7} {task:7} {method:16} lr={lr:<7g} {ok:3} runs" + (f" + {crashed} crashed" if crashed else ""))
+    return 0
+
+
 def cmd_collect(args) -> int:
     from verl_oar.testbed.machine import machine_info
 
@@ -289,6 +301,7 @@ def main(argv=None) -> int:
     st = sub.add_parser("store")
     st.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
     st.add_argument("--store", default=str(STORE))
+    sub.add_parser("status").add_argument("--store", default=str(STORE))
     c = sub.add_parser("collect")
     c.add_argument("--out", required=True)
     c.add_argument("--store", default=str(STORE))
@@ -297,7 +310,7 @@ def main(argv=None) -> int:
     c.add_argument("--note", default="", help="a command line to record with the results")
     c.add_argument("--study-seconds", type=float, default=None)
     args = p.parse_args(argv)
-    return {"run": cmd_run, "store": cmd_store, "collect": cmd_collect}[args.cmd](args)
+    return {"run": cmd_run, "store": cmd_store, "status": cmd_status, "collect": cmd_collect}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def _write_run(path: Path, steps: int, *, last: int | None = None, error: bool =
         Path(str(path) + ".meta.json").write_text(json.dumps({"steps": steps, "seconds": 1.5}))
 
 
-def test_finished_store_and_collect(study, tmp_path):
+def test_finished_store_and_collect(study, tmp_path, capsys):
     runs, store = tmp_path / "runs", tmp_path / "store"
     done = study.run_path(runs, "tuning", "fill2", "grpo", 1e-3, 1000)
     partial = study.run_path(runs, "tuning", "fill2", "grpo", 1e-3, 1001)
@@ -65,6 +65,10 @@ def test_finished_store_and_collect(study, tmp_path):
     assert by_seed[("grpo", 1000)]["val_accuracy"] == {"0": 0.4, "6": 0.9}
     assert by_seed[("oar_g", 1000)]["steps"] == 6 and "NoAnswerError" in by_seed[("oar_g", 1000)]["error"]
     assert result["commands"] == ["cmd"] and result["machine"]["runs_per_cpu"] == {"unknown": 2}
+    capsys.readouterr()
+    assert study.main(["status", "--store", str(store)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "tuning  fill2   grpo             lr=0.001     1 runs", "tuning  fill2   oar_g            lr=0.004     0 runs + 1 crashed"]
     # another task's collect leaves these out; a run stored twice is refused with the fix named
     assert study.main(["collect", "--out", str(tmp_path / "r8.json"), "--store", str(store), "--tasks", "fill8"]) == 0
     assert json.loads((tmp_path / "r8.json").read_text())["runs"] == []
