@@ -20,6 +20,11 @@ does not survive, and the store is what is kept. ``run`` skips a run found in th
 holds its last step, so an interrupted phase resumes where it stopped (a partial file is rerun from the start: the
 runner is deterministic). ``store`` adds finished runs of the scratch directory that the store lacks.
 
+A method the fast runner does not carry (CSCR, OPPO, ACPO, CoDaPO, OAR-G x CoDaPO: docs/study.md runs them at the
+longest task through main_ppo with fewer seeds) trains through ``python -m verl.trainer.main_ppo`` instead, with
+the same testbed settings (``testbed.training_runs``, as the demo runs it), one run at a time in a Ray cluster this
+process starts; its store line says ``"runner": "main_ppo"``.
+
 ``status`` counts the stored runs per phase, task, method and rate (crashed ones apart). ``collect`` gathers the
 store's runs of the listed tasks into one results JSON (machine, settings, commands, per-run curves and seconds) that
 ``verl_oar.testbed.study_analysis`` reads.
@@ -112,6 +117,8 @@ def entry_of(path: Path, phase: str, task: str, method: str, lr: float, seed: in
     else:
         return None
     entry["cpu"] = meta.get("cpu", "unknown")
+    if "runner" in meta:
+        entry["runner"] = meta["runner"]
     return entry
 
 
@@ -156,6 +163,55 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class MainPPORoute:
+    """The main_ppo route of one ``run`` process: a copy of the task's testbed (main_ppo writes beside it), the
+    validation subset, and one Ray cluster that the process's main_ppo runs share (stopped by :meth:`close`)."""
+
+    def __init__(self, task: str, scratch: Path):
+        self.task, self.scratch, self.cluster, self._bed = task, scratch, None, None
+
+    def train(self, method: str, seed: int, settings, path: Path, log) -> None:
+        """One run; its metric file ends at ``path``. Raises (with the run's log) when it fails."""
+        import shutil
+
+        from verl_oar.cpu.ray_cluster import SharedRayCluster
+        from verl_oar.testbed.demo import write_val_subset
+        from verl_oar.testbed.fast_runner import load_bed, neutral_token_id
+        from verl_oar.testbed.training_runs import make_runs, run_all
+        from verl_oar.testbed.workspace import copy_testbed
+
+        out = self.scratch / "main_ppo" / self.task
+        if self._bed is None:
+            self._bed = copy_testbed(load_bed(testbed_dir(self.task)), out / "testbed")
+        if self.cluster is None:
+            self.cluster = SharedRayCluster(out / f"ray_cluster_{os.getpid()}.log")
+            os.environ.update(self.cluster.env)  # the runs' overrides and environments join this cluster
+        val_file = write_val_subset(self._bed, settings.val_prompts, out / f"val_{settings.val_prompts}.parquet")
+        [one] = make_runs(self._bed, [method], [seed], settings, neutral_id=neutral_token_id(self._bed),
+                          out_dir=out / f"lr{settings.lr:g}", val_file=val_file)
+        one.cmd = [*one.cmd, f"trainer.default_local_dir={out / 'checkpoints' / f'{method}_seed{seed}'}"]
+        run_all([one], total_steps=settings.steps, log=log)
+        shutil.copyfile(one.metrics_path, path)
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
+def runner_of(method: str) -> str:
+    """``"fast"`` for the fast runner's methods, ``"main_ppo"`` for the testbed's other methods."""
+    from verl_oar.testbed.fast_runner import METHODS
+    from verl_oar.testbed.methods import METHODS as TESTBED_METHODS
+
+    if method in METHODS:
+        return "fast"
+    if method in TESTBED_METHODS:
+        return "main_ppo"
+    raise SystemExit(f"study.py: unknown method {method!r}; the fast runner carries {', '.join(METHODS)}, main_ppo "
+                     f"the testbed's {', '.join(m for m in TESTBED_METHODS if m not in METHODS)}")
+
+
 def testbed_dir(task: str) -> Path | None:
     variant = TASKS[task]
     return None if variant is None else ROOT / "verl_oar" / "testbed" / "variants" / variant
@@ -163,9 +219,8 @@ def testbed_dir(task: str) -> Path | None:
 
 def cmd_run(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from verl_oar.testbed.fast_runner import METHODS, run
+    from verl_oar.testbed.fast_runner import run
     from verl_oar.testbed.machine import machine_info
-    from verl_oar.testbed.training_runs import RunSettings
 
     lrs = [float(x) for x in (args.lrs or "").split(",") if x]
     cells = []  # (method, lr): "name" takes every --lrs rate, "name@lr" that rate only
@@ -174,44 +229,62 @@ def cmd_run(args) -> int:
         if not rate and not lrs:
             sys.exit(f"study.py: {item!r} has no rate: give --lrs or write it as {name}@RATE")
         cells += [(name, float(rate))] if rate else [(name, lr) for lr in lrs]
-    unknown = sorted({m for m, _ in cells if m not in METHODS})
-    if unknown:
-        sys.exit(f"study.py: unknown method(s) {unknown}; the fast runner carries {', '.join(METHODS)}")
+    runners = {m: runner_of(m) for m, _ in cells}
     if args.task not in TASKS:
         sys.exit(f"study.py: unknown task {args.task!r}; one of {', '.join(TASKS)}")
     grid = [(m, lr, s) for s in parse_seeds(args.seeds) for m, lr in cells]
     index, count = (int(x) for x in args.shard.split("/"))
     mine = grid[index::count]
-    runs_dir, store = Path(args.runs_dir), Path(args.store)
-    stored = {tuple(e[k] for k in KEY) for e in read_store(store, args.phase, args.task)}
+    stored = {tuple(e[k] for k in KEY) for e in read_store(Path(args.store), args.phase, args.task)}
     cpu = machine_info()["cpu"]
+    route = MainPPORoute(args.task, Path(args.runs_dir))
     done = 0
-    for method, lr, seed in mine:
-        path = run_path(runs_dir, args.phase, args.task, method, lr, seed)
-        if (args.phase, args.task, method, lr, seed) in stored or finished(path, args.steps):
+    try:
+        for method, lr, seed in mine:
+            trained = train_one(args, route, runners[method], method, lr, seed, stored, cpu, run)
             done += 1
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not claim(path) or finished(path, args.steps):  # another process trains it, or just has
-            done += 1
-            continue
-        path.unlink(missing_ok=True)
-        settings = RunSettings(steps=args.steps, lr=lr)
-        Path(str(path) + ".error").unlink(missing_ok=True)
-        began = time.time()
-        try:
-            run(method, seed, settings, path, testbed=testbed_dir(args.task),
-                log=lambda m: print(f"[study {time.strftime('%H:%M:%S')}] {args.task} lr={lr:g} {m}", flush=True)
-                if ("done" in m or "ready" in m) else None)
-        except Exception:  # recorded, counted as censored by the analysis (never re-run silently)
-            Path(str(path) + ".error").write_text(traceback.format_exc())
-            print(f"[study] {path} FAILED (see .error)", flush=True)
-        meta = {"steps": args.steps, "seconds": round(time.time() - began, 2), "cpu": cpu}
-        Path(str(path) + ".meta.json").write_text(json.dumps(meta) + "\n")
-        append_to_store(store, entry_of(path, args.phase, args.task, method, lr, seed))
-        done += 1
-        print(f"[study] {args.phase} {args.task} shard {args.shard}: {done}/{len(mine)}", flush=True)
+            if trained:
+                print(f"[study] {args.phase} {args.task}: {done}/{len(mine)} of this process's grid", flush=True)
+    finally:
+        route.close()
     return 0
+
+
+def train_one(args, route: MainPPORoute, runner: str, method: str, lr: float, seed: int, stored: set, cpu: str,
+              fast_run) -> bool:
+    """Train one grid cell unless it is stored, finished or claimed by another process, and append it to the store;
+    whether it trained here."""
+    from verl_oar.testbed.training_runs import RunSettings
+
+    runs_dir, store = Path(args.runs_dir), Path(args.store)
+    path = run_path(runs_dir, args.phase, args.task, method, lr, seed)
+    if (args.phase, args.task, method, lr, seed) in stored or finished(path, args.steps):
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not claim(path) or finished(path, args.steps):  # another process trains it, or just has
+        return False
+    path.unlink(missing_ok=True)
+    settings = RunSettings(steps=args.steps, lr=lr)
+    Path(str(path) + ".error").unlink(missing_ok=True)
+
+    def log(message: str) -> None:
+        if "done" in message or "ready" in message or "finished" in message or "started" in message:
+            print(f"[study {time.strftime('%H:%M:%S')}] {args.task} lr={lr:g} {message}", flush=True)
+
+    began = time.time()
+    try:
+        if runner == "fast":
+            fast_run(method, seed, settings, path, testbed=testbed_dir(args.task), log=log)
+        else:
+            route.train(method, seed, settings, path, log)
+    except Exception:  # recorded, counted as censored by the analysis (never re-run silently)
+        Path(str(path) + ".error").write_text(traceback.format_exc())
+        print(f"[study] {path} FAILED (see .error)", flush=True)
+    meta = {"steps": args.steps, "seconds": round(time.time() - began, 2), "cpu": cpu,
+            **({"runner": runner} if runner != "fast" else {})}
+    Path(str(path) + ".meta.json").write_text(json.dumps(meta) + "\n")
+    append_to_store(store, entry_of(path, args.phase, args.task, method, lr, seed))
+    return True
 
 
 def read_run(path: Path) -> dict:

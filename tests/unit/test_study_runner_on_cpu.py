@@ -122,9 +122,21 @@ def test_a_method_at_one_rate_and_refusals(study, tmp_path, capsys):
     with pytest.raises(SystemExit, match="has no rate"):
         study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "grpo", "--seeds", "7", "--steps", "4",
                     "--runs-dir", str(runs)])
-    with pytest.raises(SystemExit, match="unknown method"):
-        study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "cscr@1e-3", "--seeds", "7",
+    with pytest.raises(SystemExit, match="unknown method 'nonesuch'; the fast runner carries grpo, .* main_ppo the "
+                                         "testbed's cscr, oppo"):
+        study.main(["run", "--phase", "eval", "--task", "fill2", "--methods", "nonesuch@1e-3", "--seeds", "7",
                     "--steps", "4", "--runs-dir", str(runs)])
+
+
+def test_methods_the_fast_runner_lacks_train_through_main_ppo(study):
+    """docs/study.md: the other registered methods run through main_ppo (the demo's route, tested by the demo's and
+    the e2e launches); every testbed method has exactly one route."""
+    from verl_oar.testbed.methods import METHODS as TESTBED_METHODS
+
+    assert {m: study.runner_of(m) for m in ("grpo", "oar_g", "oar_p", "oar_p_chunk16", "oar_g_tau0.25")} == dict.fromkeys(
+        ("grpo", "oar_g", "oar_p", "oar_p_chunk16", "oar_g_tau0.25"), "fast")
+    others = {m for m in TESTBED_METHODS if study.runner_of(m) == "main_ppo"}
+    assert others == {"cscr", "oppo", "oppo_teacher", "acpo", "codapo", "oar_g_codapo"}
 
 
 def test_two_processes_share_a_grid_through_claims(study, tmp_path):
