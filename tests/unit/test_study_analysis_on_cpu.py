@@ -77,6 +77,9 @@ def test_relative_change_matches_a_hand_computation_and_a_plain_bootstrap():
     assert c["relative_steps"]["low"] == values[math.floor(a * (len(values) - 1))]
     assert c["relative_steps"]["high"] == values[math.ceil((1 - a) * (len(values) - 1))]
     assert c["relative_steps"]["level"] == pytest.approx(1 - 0.05 / 9)
+    # the primary endpoint alone (the comparison against every GRPO rate) gives the same numbers
+    assert sa.relative_steps(meth, base, level=sa.H1_LEVEL) == c["relative_steps"]
+    assert sa.relative_steps(meth, base, level=0.95) == c["relative_steps_95"]
 
 
 def test_verdict_rules():

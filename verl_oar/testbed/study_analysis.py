@@ -90,20 +90,37 @@ def eval_steps(tuning: Mapping[str, dict]) -> int:
     return int(min(64, max(12, 4 * math.ceil(2 * median / 4))))
 
 
-def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *, level: float) -> dict:
-    """Method vs baseline on their common seeds (paired): relative change of mean steps (interval at ``level``),
-    AUC and final differences (95%), SD ratios of AUC and of steps (95%), censored fractions."""
+def _paired_endpoints(method: Mapping[int, Mapping], base: Mapping[int, Mapping]):
+    """(common seeds, the method's endpoints, the baseline's endpoints), one per common seed."""
     seeds = sorted(set(method) & set(base))
     if len(seeds) < 2:
         raise ValueError(f"need >= 2 paired seeds, got {seeds}")
     m_len, b_len = _phase_steps(method), _phase_steps(base)
-    m = [run_endpoints(method[s], m_len) for s in seeds]
-    b = [run_endpoints(base[s], b_len) for s in seeds]
-    ms, bs = [e["steps"] for e in m], [e["steps"] for e in b]
+    return seeds, [run_endpoints(method[s], m_len) for s in seeds], [run_endpoints(base[s], b_len) for s in seeds]
 
+
+def _relative_steps_statistic(ms: Sequence[float], bs: Sequence[float]):
     def rel(idx: Sequence[int]) -> float:
         base_mean = statistics.fmean(bs[i] for i in idx)
         return (statistics.fmean(ms[i] for i in idx) - base_mean) / base_mean
+    return rel
+
+
+def relative_steps(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *, level: float) -> dict:
+    """The primary endpoint alone: relative change of mean steps, method vs baseline (paired), interval at
+    ``level``; the same numbers as ``compare_cells(...)["relative_steps"]`` at that level, without its other
+    bootstraps (the comparison against every GRPO rate needs only this)."""
+    seeds, m, b = _paired_endpoints(method, base)
+    rel = _relative_steps_statistic([e["steps"] for e in m], [e["steps"] for e in b])
+    return bootstrap(list(range(len(seeds))), statistic=rel, resamples=RESAMPLES, seed=RNG_SEED, level=level).as_dict()
+
+
+def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *, level: float) -> dict:
+    """Method vs baseline on their common seeds (paired): relative change of mean steps (interval at ``level``),
+    AUC and final differences (95%), SD ratios of AUC and of steps (95%), censored fractions."""
+    seeds, m, b = _paired_endpoints(method, base)
+    ms, bs = [e["steps"] for e in m], [e["steps"] for e in b]
+    rel = _relative_steps_statistic(ms, bs)
 
     def sd_ratio(values_m: Sequence[float], values_b: Sequence[float]):
         def stat(idx: Sequence[int]) -> float:
@@ -181,7 +198,7 @@ def analyse_task(runs: Sequence[Mapping], task: str) -> dict:
             c["h1_verdict"] = h1_verdict(c["relative_steps"])
         c["h2_verdict_auc"] = h2_verdict(c["sd_ratio_auc"])
         comparisons[method] = c
-        step_size[method] = {f"{lr:g}": compare_cells(cell, other, level=0.95)["relative_steps"]
+        step_size[method] = {f"{lr:g}": relative_steps(cell, other, level=0.95)
                              for (m, lr), other in sorted(cells.items()) if m == BASELINE}
     out["comparisons"], out["against_every_grpo_rate"] = comparisons, step_size
     return out
