@@ -180,11 +180,11 @@ class MainPPORoute:
         from verl_oar.testbed.training_runs import make_runs, run_all
         from verl_oar.testbed.workspace import copy_testbed
 
-        out = self.scratch / "main_ppo" / self.task
+        out = self.scratch / "main_ppo" / self.task / f"process_{os.getpid()}"  # two processes: two copies
         if self._bed is None:
             self._bed = copy_testbed(load_bed(testbed_dir(self.task)), out / "testbed")
         if self.cluster is None:
-            self.cluster = SharedRayCluster(out / f"ray_cluster_{os.getpid()}.log")
+            self.cluster = SharedRayCluster(out / "ray_cluster.log")
             os.environ.update(self.cluster.env)  # the runs' overrides and environments join this cluster
         val_file = write_val_subset(self._bed, settings.val_prompts, out / f"val_{settings.val_prompts}.parquet")
         [one] = make_runs(self._bed, [method], [seed], settings, neutral_id=neutral_token_id(self._bed),
