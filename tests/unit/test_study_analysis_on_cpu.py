@@ -139,3 +139,74 @@ def test_a_crashed_run_counts_censored_in_steps_and_leaves_the_auc_comparisons()
     assert c["errors"] == 1 and c["censored"] == 1 / 8 and c["mean_steps"] == pytest.approx(
         (sum(7 + s % 2 for s in seeds if s != 2003) + 17) / 8)
     assert c["auc_diff"]["n"] == 7 and c["sd_ratio_auc"]["n"] == 7 and c["sd_ratio_steps"]["n"] == 8
+
+
+def _tuned(task: str) -> list[dict]:
+    """Tuning runs that tune GRPO and OAR-G to 0.002 at ``task``."""
+    runs = []
+    for seed in range(1000, 1005):
+        for lr, reach in ((0.001, 10), (0.002, 8)):
+            runs += [_run("tuning", task, "grpo", lr, seed, reach), _run("tuning", task, "oar_g", lr, seed, reach)]
+    return runs
+
+
+def test_h3_h4_variants_run_at_oar_gs_rate_and_are_compared_with_full_oar_g():
+    runs = _tuned("fill32")
+    for seed in range(2000, 2006):
+        runs.append(_run("eval", "fill32", "grpo", 0.002, seed, 9, steps=16))
+        runs.append(_run("eval", "fill32", "oar_g", 0.002, seed, 6 + seed % 2, steps=16))
+        runs.append(_run("eval", "fill32", "oar_g_no_amplify", 0.002, seed, 9 + seed % 2, steps=16))   # 3 slower
+        runs.append(_run("eval", "fill32", "oar_g_no_amplify", 0.001, seed, 4, steps=16))  # not its rate: ignored
+        runs.append(_run("eval", "fill32", "oar_g_tau0.25", 0.002, seed, 4 + seed % 2, steps=16))      # 2 faster
+        runs.append(_run("eval", "fill32", "oar_g_tau0.75", 0.002, seed, 6 + (seed + 1) % 2, steps=16))  # +-1
+    out = sa.analyse_task(runs, "fill32")
+    v = out["vs_full_oar_g"]
+    assert set(v) == {"oar_g_no_amplify", "oar_g_tau0.25", "oar_g_tau0.75"}
+    assert v["oar_g_no_amplify"]["estimate"] == 3 and v["oar_g_no_amplify"]["low"] == pytest.approx(3)
+    assert v["oar_g_no_amplify"]["verdict"] == "supported"
+    assert v["oar_g_tau0.25"]["estimate"] == -2 and v["oar_g_tau0.25"]["verdict"] == "not supported"
+    assert v["oar_g_tau0.75"]["estimate"] == 0 and v["oar_g_tau0.75"]["verdict"] == "inconclusive"
+    assert out["comparisons"]["oar_g_no_amplify"]["lr"] == 0.002  # OAR-G's tuned rate, against tuned GRPO
+    assert sa.slower_verdict({"low": None, "high": None}) == "inconclusive"
+    assert sa.h4_verdict(v) == "not supported"  # tau 0.25 is faster
+    assert sa.h4_verdict({"oar_g_tau0.25": {"verdict": "supported"}}) is None
+    both = {"oar_g_tau0.25": {"verdict": "supported"}, "oar_g_tau0.75": {"verdict": "supported"}}
+    assert sa.h4_verdict(both) == "supported"
+    assert sa.h4_verdict({**both, "oar_g_tau0.75": {"verdict": "inconclusive"}}) == "inconclusive"
+
+
+def test_h5_slope_over_log2_filler_with_each_tasks_seeds_resampled_independently():
+    rng = random.Random(7)
+    runs, steps = [], {}
+    for task, shrink in (("fill2", 0), ("fill8", 2), ("fill32", 4)):
+        runs += _tuned(task)
+        for seed in range(2000, 2012):
+            b = rng.randint(10, 14)
+            m = max(4, b - shrink - rng.randint(0, 2))
+            steps.setdefault(task, []).append((m, b))
+            runs.append(_run("eval", task, "grpo", 0.002, seed, b, steps=20))
+            runs.append(_run("eval", task, "oar_g", 0.002, seed, m, steps=20))
+    results = {"runs": runs}
+    h5 = sa.analyse_h5(results)
+    assert set(h5) == {"oar_g"} and h5["oar_g"]["tasks"] == ["fill2", "fill8", "fill32"]
+    xs = [1.0, 3.0, 5.0]
+
+    def effect(pairs):
+        b = sum(p[1] for p in pairs) / len(pairs)
+        return (sum(p[0] for p in pairs) / len(pairs) - b) / b
+
+    def slope(ys):  # least squares by hand
+        mx, my = sum(xs) / 3, sum(ys) / 3
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+    full = [effect(steps[t]) for t in ("fill2", "fill8", "fill32")]
+    assert h5["oar_g"]["estimate"] == pytest.approx(slope(full), abs=1e-12) and h5["oar_g"]["estimate"] < 0
+    r, values = random.Random(sa.RNG_SEED), []  # the resampling rule written out plainly
+    for _ in range(sa.RESAMPLES):
+        values.append(slope([effect([steps[t][r.randrange(12)] for _ in range(12)]) for t in ("fill2", "fill8", "fill32")]))
+    values.sort()
+    assert h5["oar_g"]["low"] == pytest.approx(values[math.floor(0.025 * (len(values) - 1))], abs=1e-12)
+    assert h5["oar_g"]["high"] == pytest.approx(values[math.ceil(0.975 * (len(values) - 1))], abs=1e-12)
+    assert h5["oar_g"]["verdict"] == ("supported" if h5["oar_g"]["high"] < 0 else "inconclusive")
+    one_task = {"runs": [r for r in runs if r["task"] == "fill2"]}
+    assert sa.analyse_h5(one_task) == {}  # H5 needs two tasks

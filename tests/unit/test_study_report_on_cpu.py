@@ -75,3 +75,23 @@ def test_readme_quotes_the_study_as_rendered(results):
         iv = study_report._iv(comps[method]["relative_steps"], pct=True)  # e.g. "+4.0% [-18.0%, +26.0%]"
         estimate, interval = iv.split(" ", 1)
         assert f"{estimate} steps {interval}" in readme or f"{estimate} {interval}" in readme, iv
+
+
+def test_h3_h4_and_h5_tables_render_once_their_runs_exist():
+    def run(phase, task, method, lr, seed, reach, steps):
+        reward = [0.5] * (reach - 3) + [0.9] * (steps - reach + 3)
+        return {"phase": phase, "task": task, "method": method, "lr": lr, "seed": seed, "steps": steps,
+                "reward": reward, "val_accuracy": {"0": 0.4, str(steps): 0.9}}
+
+    runs = []
+    for task, shrink in (("fill2", 0), ("fill8", 2)):
+        runs += [run("tuning", task, m, 0.001, s, 10, 16) for m in ("grpo", "oar_g") for s in range(1000, 1005)]
+        for seed in range(2000, 2006):
+            runs += [run("eval", task, "grpo", 0.001, seed, 10 + seed % 2, 16),
+                     run("eval", task, "oar_g", 0.001, seed, 10 - shrink + seed % 3, 16)]
+            if task == "fill8":
+                runs.append(run("eval", task, "oar_g_no_suppress", 0.001, seed, 12 + seed % 3, 16))
+    text = study_report.tables({"runs": runs})
+    assert "H3 and H4, fill8" in text and "| OAR-G without suppression | H3 | +4.00 [+4.00, +4.00] | 6 | supported |" in text
+    assert "H3 and H4, fill2" not in text
+    assert "H5: slope" in text and "| OAR-G | fill2, fill8 |" in text

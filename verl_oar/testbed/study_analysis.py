@@ -13,7 +13,11 @@ the smaller rate), the evaluation length (twice tuned GRPO's median steps, round
 [12, 64]), and on the evaluation seeds each method at its tuned rate against GRPO at its tuned rate: the relative
 change of mean steps with a paired bootstrap interval (Bonferroni level for the H1 family, 95% otherwise), the AUC
 and final differences, the across-seed standard-deviation ratios and the censored fraction; the same primary
-effect against GRPO at every grid rate (the step-size alternative).
+effect against GRPO at every grid rate (the step-size alternative). Methods with no tuning runs take the tuned rate
+of the method ``RATE_FROM`` names (OAR-G's ablations and tau variants OAR-G's, the other registered methods GRPO's).
+H3 and H4 (at the task with ablation / tau runs): each variant's mean steps minus full OAR-G's on their common seeds
+(paired bootstrap, 95%). Across tasks, H5: per H1 method, the least-squares slope of the primary effect over
+log2(filler words), its interval from resampling each task's seeds independently.
 """
 
 from __future__ import annotations
@@ -36,6 +40,17 @@ PAPER_H1 = -0.18
 PAPER_H2 = 0.6
 """the paper's claimed standard-deviation ratio (about 40% lower)"""
 BASELINE = "grpo"
+ABLATIONS = ("oar_g_no_amplify", "oar_g_no_suppress", "oar_g_no_preserve_mass")
+"""H3: OAR-G without one part each"""
+TAUS = {"oar_g_tau0.25": 0.25, "oar_g_tau0.75": 0.75}
+"""H4: OAR-G at the other quantile levels (its default run is tau 0.5)"""
+RATE_FROM = {**dict.fromkeys((*ABLATIONS, *TAUS), "oar_g"),
+             **dict.fromkeys(("cscr", "oppo", "oppo_teacher", "acpo", "codapo", "oar_g_codapo"), BASELINE)}
+"""a method evaluated without tuning runs -> the method whose tuned rate it runs at (docs/study.md)"""
+FULL = "oar_g"
+"""the full method H3's ablations and H4's tau variants are compared with"""
+FILLER_WORDS = {"fill2": 2, "fill8": 8, "fill32": 32}
+"""H5's x axis: filler words per gap of each task"""
 
 
 def run_endpoints(run: Mapping, steps: int) -> dict:
@@ -162,6 +177,78 @@ def h1_verdict(interval: Mapping) -> str:
     return "inconclusive"
 
 
+def steps_difference(method: Mapping[int, Mapping], full: Mapping[int, Mapping]) -> dict:
+    """H3 / H4: mean steps of ``method`` minus ``full``'s on their common seeds (paired bootstrap, 95%)."""
+    seeds, m, f = _paired_endpoints(method, full)
+    return {"seeds": seeds, **paired_bootstrap([e["steps"] for e in m], [e["steps"] for e in f], resamples=RESAMPLES,
+                                               seed=RNG_SEED).as_dict()}
+
+
+def slower_verdict(interval: Mapping) -> str:
+    """H3 and H4 (a variant is slower than full OAR-G at tau 0.5; the paper gives no size): supported when the
+    interval of the steps difference lies above 0, not supported when it lies below 0 (the variant is faster),
+    inconclusive otherwise."""
+    low, high = interval["low"], interval["high"]
+    if low is None or high is None:
+        return "inconclusive"
+    return "supported" if low > 0 else "not supported" if high < 0 else "inconclusive"
+
+
+def h4_verdict(variants: Mapping[str, Mapping]) -> str | None:
+    """tau 0.5 is best: supported when both other taus are slower (supported), not supported when either is faster;
+    None until both tau variants have been compared."""
+    verdicts = [variants[m]["verdict"] for m in TAUS if m in variants]
+    if len(verdicts) < len(TAUS):
+        return None
+    if all(v == "supported" for v in verdicts):
+        return "supported"
+    return "not supported" if "not supported" in verdicts else "inconclusive"
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def h5_slopes(cells_by_task: Mapping[str, Mapping[str, tuple]]) -> dict:
+    """Per H1 method present at >= 2 tasks: the slope of the primary effect (relative change of mean steps vs tuned
+    GRPO) over log2(filler words), with a 95% percentile interval from ``RESAMPLES`` resamples, each drawing every
+    task's seed indices independently (``random.Random(RNG_SEED)``, tasks in ``FILLER_WORDS`` order); a negative
+    slope means the gain grows with filler. ``cells_by_task``: task -> {method: (method cell, GRPO cell)}."""
+    import random
+
+    out = {}
+    for method in H1_METHODS:
+        tasks = [t for t in FILLER_WORDS if method in cells_by_task.get(t, {})]
+        if len(tasks) < 2:
+            continue
+        xs = [math.log2(FILLER_WORDS[t]) for t in tasks]
+        series = []  # per task: (method steps, GRPO steps), on the common seeds
+        for t in tasks:
+            _, m, b = _paired_endpoints(*cells_by_task[t][method])
+            series.append(([e["steps"] for e in m], [e["steps"] for e in b]))
+
+        def effect(ms, bs, idx):
+            base = statistics.fmean(bs[i] for i in idx)
+            return (statistics.fmean(ms[i] for i in idx) - base) / base
+
+        estimate = _slope(xs, [effect(ms, bs, range(len(ms))) for ms, bs in series])
+        rng, slopes = random.Random(RNG_SEED), []
+        for _ in range(RESAMPLES):
+            ys = []
+            for ms, bs in series:
+                n = len(ms)
+                ys.append(effect(ms, bs, [rng.randrange(n) for _ in range(n)]))
+            slopes.append(_slope(xs, ys))
+        slopes.sort()
+        a, last = 0.025, len(slopes) - 1
+        low, high = slopes[math.floor(a * last)], slopes[math.ceil((1 - a) * last)]
+        out[method] = {"tasks": tasks, "log2_filler": xs, "estimate": estimate, "low": low, "high": high,
+                       "level": 0.95, "verdict": "supported" if high < 0 else "not supported" if low > 0
+                       else "inconclusive"}
+    return out
+
+
 def h2_verdict(interval: Mapping) -> str:
     """supported: the SD ratio's interval lies below 1; not supported: it lies above the paper's 0.6."""
     low, high = interval["low"], interval["high"]
@@ -185,8 +272,12 @@ def analyse_task(runs: Sequence[Mapping], task: str) -> dict:
     if not cells:
         return out
     lr_of = {m: t["lr"] for m, t in tuning.items()}
+    for method, source in RATE_FROM.items():
+        if method not in lr_of and source in lr_of:
+            lr_of[method] = lr_of[source]
     base = cells.get((BASELINE, lr_of[BASELINE]))
-    comparisons, step_size = {}, {}
+    full = cells.get((FULL, lr_of.get(FULL, math.nan)))
+    comparisons, step_size, variants = {}, {}, {}
     for method in sorted({m for m, _ in cells} - {BASELINE}):
         cell = cells.get((method, lr_of.get(method, math.nan)))
         if cell is None or base is None:
@@ -200,7 +291,24 @@ def analyse_task(runs: Sequence[Mapping], task: str) -> dict:
         comparisons[method] = c
         step_size[method] = {f"{lr:g}": relative_steps(cell, other, level=0.95)
                              for (m, lr), other in sorted(cells.items()) if m == BASELINE}
+        if (method in ABLATIONS or method in TAUS) and full is not None:
+            d = steps_difference(cell, full)
+            d["verdict"] = slower_verdict(d)
+            variants[method] = d
     out["comparisons"], out["against_every_grpo_rate"] = comparisons, step_size
+    if variants:
+        out["vs_full_oar_g"] = variants
+    return out
+
+
+def _h1_cells(runs: Sequence[Mapping], task: str, analysis: Mapping) -> dict:
+    """{H1 method: (its cell, GRPO's cell)} at their tuned rates, for the methods the task compared."""
+    cells = _cells(runs, "eval", task)
+    tuning = analysis.get("tuning", {})
+    out = {}
+    for method, c in analysis.get("comparisons", {}).items():
+        if method in H1_METHODS:
+            out[method] = (cells[(method, c["lr"])], cells[(BASELINE, tuning[BASELINE]["lr"])])
     return out
 
 
@@ -215,6 +323,12 @@ def analyse(results: Mapping) -> dict:
         tasks = sorted({r["task"] for r in results["runs"]})
         _ANALYSED[key] = {task: analyse_task(results["runs"], task) for task in tasks}
     return _ANALYSED[key]
+
+
+def analyse_h5(results: Mapping) -> dict:
+    """H5 across the tasks of ``results`` (empty until two tasks have evaluation comparisons)."""
+    per_task = analyse(results)
+    return h5_slopes({t: _h1_cells(results["runs"], t, a) for t, a in per_task.items()})
 
 
 def _nanmean(values: Sequence[float]) -> float:

@@ -20,8 +20,11 @@ from pathlib import Path
 
 from verl_oar.testbed import study_analysis as sa
 
-FILLER_WORDS = {"fill2": 2, "fill8": 8, "fill32": 32}
-LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P exact", "oar_p_chunk16": "OAR-P chunk K=16"}
+FILLER_WORDS = sa.FILLER_WORDS
+LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P exact", "oar_p_chunk16": "OAR-P chunk K=16",
+          "oar_g_no_amplify": "OAR-G without amplification", "oar_g_no_suppress": "OAR-G without suppression",
+          "oar_g_no_preserve_mass": "OAR-G without mass preservation", "oar_g_tau0.25": "OAR-G, tau 0.25",
+          "oar_g_tau0.75": "OAR-G, tau 0.75"}
 
 
 def _label(method: str) -> str:
@@ -89,6 +92,31 @@ def step_size_table(task: str, result: dict) -> str:
     return "\n".join(lines)
 
 
+def variants_table(task: str, result: dict) -> str:
+    rows = result["vs_full_oar_g"]
+    lines = [f"H3 and H4, {task}: each variant's mean steps minus full OAR-G's (tau 0.5), paired over seeds [95%]; "
+             "supported = the variant is slower", "",
+             "| variant | hypothesis | steps difference [95%] | seeds | verdict |", "|---|---|---|---|---|"]
+    for method in sorted(rows, key=lambda m: (m not in sa.ABLATIONS, m)):
+        d = rows[method]
+        lines.append(f"| {_label(method)} | {'H3' if method in sa.ABLATIONS else 'H4'} | {_iv(d)} | {len(d['seeds'])} "
+                     f"| {d['verdict']} |")
+    h4 = sa.h4_verdict(rows)
+    if h4 is not None:
+        lines += ["", f"H4 (tau 0.5 the best of 0.25, 0.5, 0.75), {task}: {h4}."]
+    return "\n".join(lines)
+
+
+def h5_table(h5: dict) -> str:
+    lines = ["H5: slope of the relative change of steps (vs tuned GRPO) over log2(filler words) [95%, each task's "
+             "seeds resampled]; negative = the gain grows with filler", "",
+             "| method | tasks | slope [95%] | verdict |", "|---|---|---|---|"]
+    for method in _order(h5):
+        lines.append(f"| {_label(method)} | {', '.join(h5[method]['tasks'])} | {_iv(h5[method], digits=3)} | "
+                     f"{h5[method]['verdict']} |")
+    return "\n".join(lines)
+
+
 def tables(results: dict) -> str:
     analysis = sa.analyse(results)
     parts = []
@@ -100,6 +128,11 @@ def tables(results: dict) -> str:
                          "on the tuning seeds, rounded up to a multiple of 4, within [12, 64]).")
         if result.get("comparisons"):
             parts += [eval_table(task, result), step_size_table(task, result)]
+        if result.get("vs_full_oar_g"):
+            parts.append(variants_table(task, result))
+    h5 = sa.analyse_h5(results)
+    if h5:
+        parts.append(h5_table(h5))
     return "\n\n".join(parts) + "\n"
 
 
