@@ -22,6 +22,11 @@ def results():
     return json.loads(RESULTS.read_text())
 
 
+@pytest.fixture(scope="module")
+def analysis(results):
+    return study_report.sa.analyse(results)
+
+
 def test_the_page_quotes_the_rendered_tables(results):
     results_part = PAGE.read_text().split("\n## Results\n", 1)[1]
     for block in study_report.tables(results).strip().split("\n\n"):
@@ -34,19 +39,24 @@ def test_every_run_of_the_results_is_finished_or_a_recorded_crash(results):
     assert results["machine"]["cores"] and results["commands"]
 
 
-def test_figures_render(results, tmp_path):
+def test_figures_render(results, analysis, tmp_path):
     written = study_report.figures(results, tmp_path)
     assert written and all(p.stat().st_size > 1000 for p in written)
+    done = [t for t, r in analysis.items() if r.get("comparisons")]
+    for task in done:  # the plan's figures per evaluated task: curves, across-seed spread, rate grid
+        assert {tmp_path / f"{task}_{kind}.png" for kind in ("curves", "spread", "lr_grid")} <= set(written)
 
 
-def test_the_demo_report_shows_the_study_from_the_committed_results(results, tmp_path):
+def test_the_demo_report_shows_the_study_from_the_committed_results(analysis, tmp_path):
     from verl_oar.testbed.report import study_section
 
     page = study_section(tmp_path)
-    done = [t for t, r in study_report.sa.analyse(results).items() if r.get("comparisons")]
+    done = [t for t, r in analysis.items() if r.get("comparisons")]
     assert done, "no task of the committed results has evaluation results"
     for task in done:
         assert f"study_{task}_curves.png" in page and (tmp_path / f"study_{task}_curves.png").stat().st_size > 1000
+    if len(done) >= 2:
+        assert "study_effect_vs_filler.png" in page and (tmp_path / "study_effect_vs_filler.png").stat().st_size > 1000
     missing = study_section(tmp_path, tmp_path / "absent.json")
     assert "not here" in missing and "docs/study.md" in missing
 
@@ -68,10 +78,10 @@ def test_the_curve_band_is_a_percentile_bootstrap_of_the_mean():
         assert low[step] == pytest.approx(plain.low, abs=0.03) and high[step] == pytest.approx(plain.high, abs=0.03)
 
 
-def test_readme_quotes_the_study_as_rendered(results):
+def test_readme_quotes_the_study_as_rendered(analysis):
     readme = " ".join((ROOT / "README.md").read_text().split())  # lines joined
-    comps = study_report.sa.analyse(results)["fill2"]["comparisons"]
-    for method in ("oar_g", "oar_p", "oar_p_chunk16"):
+    for task, method in ((t, m) for t in ("fill2", "fill8") for m in ("oar_g", "oar_p", "oar_p_chunk16")):
+        comps = analysis[task]["comparisons"]
         iv = study_report._iv(comps[method]["relative_steps"], pct=True)  # e.g. "+4.0% [-18.0%, +26.0%]"
         estimate, interval = iv.split(" ", 1)
         assert f"{estimate} steps {interval}" in readme or f"{estimate} {interval}" in readme, iv

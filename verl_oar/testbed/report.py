@@ -399,7 +399,8 @@ STUDY_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results_st
 
 def study_section(out: Path, results_path: Path = STUDY_RESULTS) -> str:
     """HTML for the study's main figure, rendered from its committed results (nothing is re-run): per task with
-    evaluation results, the learning curves of each method at its tuned rate (``study_report``)."""
+    evaluation results, the learning curves of each method at its tuned rate, and once two tasks have them, the
+    primary effect against filler length (``study_report``)."""
     from verl_oar.testbed import study_analysis, study_report
 
     head = "<h2>The study: token credit against a tuned GRPO (committed results, not re-run)</h2>"
@@ -410,6 +411,9 @@ def study_section(out: Path, results_path: Path = STUDY_RESULTS) -> str:
     analysis = study_analysis.analyse(results)
     parts = [head, f"<p>From <code>{html.escape(str(results_path))}</code>; hypotheses, endpoints and verdicts: "
                    "docs/study.md. Each method at its own tuned learning rate, evaluation seeds only.</p>"]
+    if study_report.plot_effect_vs_filler(analysis, out / "study_effect_vs_filler.png"):
+        parts.append('<p><img src="study_effect_vs_filler.png" alt="study effect against filler length" '
+                     'style="max-width:100%"></p><p>The primary endpoint against filler length (H1 and H5).</p>')
     for task, result in analysis.items():
         if not result.get("comparisons"):
             continue

@@ -7,7 +7,8 @@ page equal to this output) and, with ``--figures DIR``, writes per task: ``TASK_
 step on the evaluation seeds, each method at its tuned rate, with a 95% bootstrap band of the mean) and
 ``TASK_lr_grid.png`` (mean steps to threshold on the tuning seeds against the learning rate, per method) and, once
 two or more tasks have evaluation results, ``effect_vs_filler.png`` (H1's relative change against filler words per
-gap, Bonferroni intervals). The across-seed spread is in the evaluation table (SD ratios with intervals).
+gap, Bonferroni intervals). ``TASK_spread.png`` shows the across-seed spread: every evaluation seed's steps to
+threshold and held-out AUC per method at its tuned rate (the SD ratios with intervals are in the evaluation table).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _ratio(iv: dict) -> str:
 def tuning_table(task: str, tuning: dict) -> str:
     rates = sorted({lr for t in tuning.values() for lr in t["grid"]}, key=float)
     lines = [f"Tuning, {task} (seeds {_seed_span(tuning)}; mean steps to threshold, censored runs in brackets, "
-             "mean held-out AUC; * = chosen)", "",
+             "mean held-out AUC of the finished runs; * = chosen)", "",
              "| method | " + " | ".join(f"lr {r}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
     for method in _order(tuning):
         cells = []
@@ -57,7 +58,8 @@ def tuning_table(task: str, tuning: dict) -> str:
                 cells.append("-")
                 continue
             star = "*" if float(r) == tuning[method]["lr"] else ""
-            cells.append(f"{g['mean_steps']:.1f} ({g['censored']}) / {g['mean_auc']:.3f}{star}")
+            auc = "-" if math.isnan(g["mean_auc"]) else f"{g['mean_auc']:.3f}"  # "-": every run of the cell crashed
+            cells.append(f"{g['mean_steps']:.1f} ({g['censored']}) / {auc}{star}")
         lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -189,6 +191,42 @@ def plot_curves(results: dict, task: str, analysis: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_spread(results: dict, task: str, analysis: dict, path: Path) -> None:
+    """One point per evaluation seed (steps to threshold, held-out AUC), each method at its tuned rate; hollow
+    points are censored runs (never reached the threshold, or stopped), drawn at steps + 1; the bar is mean +- SD."""
+    import numpy as np
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    methods = _order(analysis["tuning"])
+    jitter = np.random.default_rng(0)
+    for i, method in enumerate(methods):
+        lr = analysis["tuning"][method]["lr"]
+        runs = [r for r in results["runs"] if r["phase"] == "eval" and r["task"] == task and r["method"] == method
+                and r["lr"] == lr]
+        ends = [sa.run_endpoints(r, int(r["steps"])) for r in runs]
+        for ax, key in zip(axes, ("steps", "auc")):
+            values = [(e[key], e["censored"]) for e in ends if not math.isnan(e[key])]
+            if not values:
+                continue
+            x = i + jitter.uniform(-0.15, 0.15, size=len(values))
+            y = np.array([v for v, _ in values])
+            hollow = np.array([c for _, c in values])
+            ax.scatter(x[~hollow], y[~hollow], s=12, color=f"C{i}")
+            ax.scatter(x[hollow], y[hollow], s=12, facecolors="none", edgecolors=f"C{i}")
+            ax.errorbar([i + 0.3], [y.mean()], yerr=[y.std(ddof=1) if len(y) > 1 else 0.0], color=f"C{i}",
+                        marker="_", capsize=3)
+    for ax, ylabel in zip(axes, ("steps to threshold (hollow: censored)", "held-out AUC")):
+        ax.set_xticks(range(len(methods)))
+        ax.set_xticklabels([_label(m) for m in methods], rotation=20, fontsize=7, ha="right")
+        ax.set_ylabel(ylabel)
+    fig.suptitle(f"pick_max {task}: every evaluation seed, each method at its tuned rate (bar: mean +- SD)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_lr_grid(task: str, analysis: dict, path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -212,11 +250,11 @@ def plot_effect_vs_filler(analysis: dict, path: Path) -> bool:
         return False
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for method in sa.H1_METHODS:
+    for k, method in enumerate(sa.H1_METHODS):
         pts = [(FILLER_WORDS[t], analysis[t]["comparisons"][method]["relative_steps"]) for t in done
                if method in analysis[t]["comparisons"]]
         if pts:
-            x = [p[0] for p in pts]
+            x = [p[0] * 2 ** (0.08 * (k - 1)) for p in pts]  # methods side by side at each task
             y = [100 * p[1]["estimate"] for p in pts]
             err = [[100 * (p[1]["estimate"] - p[1]["low"]) for p in pts], [100 * (p[1]["high"] - p[1]["estimate"])
                                                                             for p in pts]]
@@ -224,8 +262,12 @@ def plot_effect_vs_filler(analysis: dict, path: Path) -> bool:
     ax.axhline(0, color="grey", lw=0.8)
     ax.axhline(100 * sa.PAPER_H1, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("filler words per gap")
+    ticks = sorted(FILLER_WORDS[t] for t in done)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("filler words per gap (dotted: the paper's -18%)")
     ax.set_ylabel("steps to threshold vs tuned GRPO (%)")
+    ax.set_title("H1's effect against filler length (Bonferroni intervals)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -242,7 +284,8 @@ def figures(results: dict, out: Path) -> list[Path]:
         written.append(out / f"{task}_lr_grid.png")
         if result.get("comparisons"):
             plot_curves(results, task, result, out / f"{task}_curves.png")
-            written.append(out / f"{task}_curves.png")
+            plot_spread(results, task, result, out / f"{task}_spread.png")
+            written += [out / f"{task}_curves.png", out / f"{task}_spread.png"]
     if plot_effect_vs_filler(analysis, out / "effect_vs_filler.png"):
         written.append(out / "effect_vs_filler.png")
     return written
