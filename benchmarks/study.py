@@ -5,6 +5,7 @@
     python benchmarks/study.py run --phase eval --task fill2 --methods grpo@1e-3,oar_g@2e-3 --seeds 2000-2019 --steps 28
     python benchmarks/study.py store [--runs-dir runs/study]
     python benchmarks/study.py status
+    python benchmarks/study.py plan --task fill32
     python benchmarks/study.py collect --out benchmarks/results_study_cpu.json [--tasks fill2]
 
 ``run`` trains each run of the grid in this process (one torch thread; start the same command twice to use two cores:
@@ -25,7 +26,9 @@ longest task through main_ppo with fewer seeds) trains through ``python -m verl.
 the same testbed settings (``testbed.training_runs``, as the demo runs it), one run at a time in a Ray cluster this
 process starts; its store line says ``"runner": "main_ppo"``.
 
-``status`` counts the stored runs per phase, task, method and rate (crashed ones apart). ``collect`` gathers the
+``status`` counts the stored runs per phase, task, method and rate (crashed ones apart). ``plan`` applies
+docs/study.md's rules to a task's stored tuning runs (each method's rate, the evaluation length) and prints the
+evaluation phase's commands, so that nobody reads the decision off a table by hand. ``collect`` gathers the
 store's runs of the listed tasks into one results JSON (machine, settings, commands, per-run curves and seconds) that
 ``verl_oar.testbed.study_analysis`` reads.
 """
@@ -46,6 +49,10 @@ TASKS = {"fill2": None, "fill8": "fill8", "fill32": "fill32"}
 STORE = ROOT / "benchmarks" / "study_runs"
 """the committed run store: one ``PHASE_TASK.jsonl`` per phase and task, one finished run per line"""
 KEY = ("phase", "task", "method", "lr", "seed")
+TUNING_SEEDS, EVAL_SEEDS, OTHER_SEEDS = "1000-1004", "2000-2019", "2000-2004"
+"""docs/study.md's seeds: tuning; evaluation; the methods only main_ppo carries (fewer seeds, the plan says)"""
+LONGEST = "fill32"
+"""the task where the ablations, tau and the other registered methods run"""
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -331,6 +338,51 @@ def cmd_status(args) -> int:
     return 0
 
 
+def plan_commands(runs: list[dict], task: str) -> tuple[dict, int, list[str]]:
+    """docs/study.md's decisions from one task's stored tuning runs: (per method its chosen rate, the evaluation
+    length, the evaluation phase's ``run`` commands). Refuses an incomplete grid (every method needs every rate on
+    every tuning seed)."""
+    from verl_oar.testbed import study_analysis as sa
+
+    seeds = parse_seeds(TUNING_SEEDS)
+    tuning = sa.tune(runs, task)
+    rates = sorted({lr for t in tuning.values() for lr in t["grid"]}, key=float)
+    for method, t in tuning.items():
+        for rate in rates:
+            have = t["grid"].get(rate, {}).get("seeds", [])
+            if have != seeds:
+                raise SystemExit(f"study.py plan: {task}'s tuning is incomplete: {method} at lr {rate} has seeds "
+                                 f"{have or 'none'} of {TUNING_SEEDS}; finish the tuning phase first")
+    if sa.BASELINE not in tuning:
+        raise SystemExit(f"study.py plan: {task} has no GRPO tuning runs: the evaluation length is GRPO's")
+    chosen = {m: t["lr"] for m, t in tuning.items()}
+    steps = sa.eval_steps(tuning)
+    base = f"python benchmarks/study.py run --phase eval --task {task}"
+
+    def at(methods, lr: float) -> str:
+        return ",".join(f"{m}@{lr:g}" for m in methods)
+
+    commands = [f"{base} --methods {','.join(f'{m}@{lr:g}' for m, lr in chosen.items())} --seeds {EVAL_SEEDS} "
+                f"--steps {steps}"]
+    others = [r for r in rates if float(r) != chosen[sa.BASELINE]]
+    commands.append(f"{base} --methods grpo --lrs {','.join(others)} --seeds {EVAL_SEEDS} --steps {steps}")
+    if task == LONGEST and "oar_g" in chosen:
+        commands.append(f"{base} --methods {at((*sa.ABLATIONS, *sa.TAUS), chosen['oar_g'])} --seeds {EVAL_SEEDS} "
+                        f"--steps {steps}")
+        main_ppo_only = [m for m, source in sa.RATE_FROM.items() if source == sa.BASELINE]
+        commands.append(f"{base} --methods {at(main_ppo_only, chosen[sa.BASELINE])} --seeds {OTHER_SEEDS} "
+                        f"--steps {steps}")
+    return chosen, steps, commands
+
+
+def cmd_plan(args) -> int:
+    chosen, steps, commands = plan_commands(read_store(Path(args.store), "tuning", args.task), args.task)
+    print(f"{args.task}: tuned rates " + ", ".join(f"{m} {lr:g}" for m, lr in chosen.items())
+          + f"; evaluation runs of {steps} steps")
+    print("\n".join(commands))
+    return 0
+
+
 def cmd_collect(args) -> int:
     from verl_oar.testbed.machine import machine_info
 
@@ -375,6 +427,9 @@ def main(argv=None) -> int:
     st.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"))
     st.add_argument("--store", default=str(STORE))
     sub.add_parser("status").add_argument("--store", default=str(STORE))
+    pl = sub.add_parser("plan")
+    pl.add_argument("--task", required=True)
+    pl.add_argument("--store", default=str(STORE))
     c = sub.add_parser("collect")
     c.add_argument("--out", required=True)
     c.add_argument("--store", default=str(STORE))
@@ -383,7 +438,8 @@ def main(argv=None) -> int:
     c.add_argument("--note", default="", help="a command line to record with the results")
     c.add_argument("--study-seconds", type=float, default=None)
     args = p.parse_args(argv)
-    return {"run": cmd_run, "store": cmd_store, "status": cmd_status, "collect": cmd_collect}[args.cmd](args)
+    commands = {"run": cmd_run, "store": cmd_store, "status": cmd_status, "plan": cmd_plan, "collect": cmd_collect}
+    return commands[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,36 @@ def test_the_committed_store_holds_the_committed_results(study):
         assert entry["cpu"]
 
 
+@pytest.mark.parametrize("task", ["fill2", "fill8"])
+def test_plan_reproduces_the_evaluations_that_ran(study, task):
+    """``plan`` on a committed task's tuning runs names the rates and length its stored evaluation runs used."""
+    chosen, steps, commands = study.plan_commands(study.read_store(study.STORE, "tuning", task), task)
+    evals = study.read_store(study.STORE, "eval", task)
+    assert {e["steps"] for e in evals} == {steps}
+    for method, lr in chosen.items():  # 20 evaluation seeds at each method's chosen rate
+        assert sorted(e["seed"] for e in evals if e["method"] == method and e["lr"] == lr) == list(range(2000, 2020))
+    grpo_rates = {e["lr"] for e in evals if e["method"] == "grpo"}
+    assert len(commands) == 2 and grpo_rates == {0.0005, 0.001, 0.002, 0.004}
+
+
+def test_plan_at_the_longest_task_and_refusals(study):
+    def run(method, lr, seed, reach):
+        return {"phase": "tuning", "task": "fill32", "method": method, "lr": lr, "seed": seed, "steps": 32,
+                "reward": [0.5] * (reach - 3) + [0.9] * (35 - reach), "val_accuracy": {"0": 0.4, "32": 0.9}}
+
+    rates = (0.0005, 0.001, 0.002, 0.004)
+    runs = [run(m, lr, s, 20 - 4 * (lr == 0.002) - (m == "oar_g" and lr == 0.004) * 8)
+            for m in ("grpo", "oar_g") for lr in rates for s in range(1000, 1005)]
+    chosen, steps, commands = study.plan_commands(runs, "fill32")
+    assert chosen == {"grpo": 0.002, "oar_g": 0.004} and steps == 32  # GRPO's median 16 steps, doubled
+    assert commands[1].endswith("--methods grpo --lrs 0.0005,0.001,0.004 --seeds 2000-2019 --steps 32")
+    assert "oar_g_no_amplify@0.004" in commands[2] and "oar_g_tau0.75@0.004" in commands[2]
+    assert "cscr@0.002" in commands[3] and "oar_g_codapo@0.002" in commands[3] and "2000-2004" in commands[3]
+    with pytest.raises(SystemExit, match="oar_g at lr 0.001 has seeds"):
+        study.plan_commands([r for r in runs if not (r["method"] == "oar_g" and r["lr"] == 0.001
+                                                     and r["seed"] == 1003)], "fill32")
+
+
 @pytest.mark.parametrize("method,key,value", [
     ("oar_g_no_amplify", "amplify", "false"), ("oar_g_no_suppress", "suppress", "false"),
     ("oar_g_no_preserve_mass", "preserve_mass", "false"), ("oar_g_tau0.25", "tau", "0.25"),
