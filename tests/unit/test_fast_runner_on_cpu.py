@@ -202,14 +202,19 @@ def fresh_process(tmp_path_factory):
 
 
 def _fixture_cpu_is_this_one() -> bool:
-    from verl_oar.testbed.machine import machine_info
+    """Whether the fixture was made on this kind of CPU (vendor, family, model, stepping, vector ISA). The model name
+    alone is not enough: an AMD EPYC of family 26 rounds differently from the AMD EPYC the fixture was made on. A
+    fixture from before ``cpu_id`` was recorded never counts as this CPU."""
+    from verl_oar.testbed.machine import cpu_id
 
-    return json.loads((FIXTURE / "fixture.json").read_text())["machine"]["cpu"] == machine_info()["cpu"]
+    made_on = json.loads((FIXTURE / "fixture.json").read_text())["machine"].get("cpu_id")
+    return made_on is not None and made_on == cpu_id()
 
 
 def test_replayed_step_matches_main_ppo(fresh_process):
     """Bit for bit on the fixture's CPU. On another CPU, float32 kernels round differently (measured on an Intel
-    Xeon against the AMD EPYC fixture: importance within 2e-6 of the dump's, entropy 1.1e-6), and a token whose
+    Xeon and on a family-26 AMD EPYC against the fixture's AMD EPYC: importance within 2e-6 of its maximum,
+    entropy 1.2e-6), and a token whose
     importance sits at a bi-level quantile moves tier, so OAR advantages and the loss's gradient differ there:
     the importance is then checked to float32 accuracy, the masks and GRPO bit for bit, the OAR advantages on the
     dump's own importance bit for bit (test_advantages_equal_main_ppos_dumps_bit_for_bit), and the strict check is

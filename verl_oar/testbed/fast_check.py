@@ -43,7 +43,7 @@ def make_fixture(out_dir: str | Path) -> Path:
     from verl_oar.cpu.ray_cluster import SharedRayCluster
     from verl_oar.testbed.demo import write_val_subset
     from verl_oar.testbed.fast_runner import neutral_token_id
-    from verl_oar.testbed.machine import machine_info
+    from verl_oar.testbed.machine import cpu_id, machine_info
     from verl_oar.testbed.training_runs import make_runs, run_all
     from verl_oar.testbed.workspace import committed_testbed, copy_testbed
 
@@ -76,7 +76,7 @@ def make_fixture(out_dir: str | Path) -> Path:
     (out / "fixture.json").write_text(json.dumps({
         "command": "python -m verl_oar.testbed.fast_check make-fixture " + str(out_dir),
         "methods": list(FIXTURE_METHODS), "seed": SEED, "settings": vars(settings),
-        "testbed_fingerprint": source.manifest["fingerprint"], "machine": machine_info(),
+        "testbed_fingerprint": source.manifest["fingerprint"], "machine": {**machine_info(), "cpu_id": cpu_id()},
     }, indent=2) + "\n")
     return out
 

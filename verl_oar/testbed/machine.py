@@ -7,7 +7,7 @@ import platform
 import sys
 from importlib import metadata
 
-__all__ = ["machine_info"]
+__all__ = ["cpu_id", "machine_info"]
 
 
 def _cpu_model() -> str:
@@ -19,6 +19,26 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_id() -> str:
+    """The CPU as float32 kernels see it: vendor, family, model, stepping and the widest vector ISA, e.g.
+    ``"AuthenticAMD family 26 model 2 stepping 1 avx512"``. Machines share a model name across generations
+    ("AMD EPYC" for Zen 3 and Zen 5 alike) whose kernels round differently; ``"unknown"`` off Linux."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return "unknown"
+    flags = set(fields.get("flags", "").split())
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "baseline"
+    return " ".join([fields.get("vendor_id", "?"), "family", fields.get("cpu family", "?"), "model",
+                     fields.get("model", "?"), "stepping", fields.get("stepping", "?"), isa])
 
 
 def _version(package: str) -> str | None:
