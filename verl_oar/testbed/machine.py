@@ -10,30 +10,31 @@ from importlib import metadata
 __all__ = ["cpu_id", "machine_info"]
 
 
-def _cpu_model() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo (empty off Linux)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown"
+    return fields
+
+
+def _cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine() or "unknown"
 
 
 def cpu_id() -> str:
     """The CPU as float32 kernels see it: vendor, family, model, stepping and the widest vector ISA, e.g.
     ``"AuthenticAMD family 26 model 2 stepping 1 avx512"``. Machines share a model name across generations
     ("AMD EPYC" for Zen 3 and Zen 5 alike) whose kernels round differently; ``"unknown"`` off Linux."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if not line.strip():
-                    break  # the first processor's block is enough
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
+    fields = _cpuinfo()
+    if not fields:
         return "unknown"
     flags = set(fields.get("flags", "").split())
     isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "baseline"

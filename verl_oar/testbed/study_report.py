@@ -168,13 +168,18 @@ def _mean_band(curves: list[list[float]], resamples: int = 2000, seed: int = 0):
     return values.mean(axis=0), np.quantile(means, 0.025, axis=0), np.quantile(means, 0.975, axis=0)
 
 
+def _eval_runs(results: dict, task: str, method: str, lr: float) -> list[dict]:
+    """The evaluation runs of one (task, method, rate) cell, crashed ones included."""
+    return [r for r in results["runs"] if r["phase"] == "eval" and r["task"] == task and r["method"] == method
+            and r["lr"] == lr]
+
+
 def plot_curves(results: dict, task: str, analysis: dict, path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in _order(analysis["tuning"]):
         lr = analysis["tuning"][method]["lr"]
-        curves = [r["reward"] for r in results["runs"] if r["phase"] == "eval" and r["task"] == task
-                  and r["method"] == method and r["lr"] == lr and "error" not in r]
+        curves = [r["reward"] for r in _eval_runs(results, task, method, lr) if "error" not in r]
         if not curves:
             continue
         steps = range(1, len(curves[0]) + 1)
@@ -202,9 +207,7 @@ def plot_spread(results: dict, task: str, analysis: dict, path: Path) -> None:
     jitter = np.random.default_rng(0)
     for i, method in enumerate(methods):
         lr = analysis["tuning"][method]["lr"]
-        runs = [r for r in results["runs"] if r["phase"] == "eval" and r["task"] == task and r["method"] == method
-                and r["lr"] == lr]
-        ends = [sa.run_endpoints(r, int(r["steps"])) for r in runs]
+        ends = [sa.run_endpoints(r, int(r["steps"])) for r in _eval_runs(results, task, method, lr)]
         for ax, key in zip(axes, ("steps", "auc")):
             values = [(e[key], e["censored"]) for e in ends if not math.isnan(e[key])]
             if not values:
