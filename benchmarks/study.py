@@ -383,12 +383,40 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def planned_seeds(phase: str, method: str) -> list[int]:
+    """The seeds docs/study.md plans for a cell: tuning seeds; evaluation seeds; fewer for the main_ppo-only methods."""
+    from verl_oar.testbed import study_analysis as sa
+
+    if phase == "tuning":
+        return parse_seeds(TUNING_SEEDS)
+    return parse_seeds(OTHER_SEEDS if sa.RATE_FROM.get(method) == sa.BASELINE else EVAL_SEEDS)
+
+
+def complete_cells(runs: list[dict]) -> tuple[list[dict], list[str]]:
+    """(the runs of every cell (phase, task, method, rate) that holds all its planned seeds, one line per cell left
+    out): a cell is reported only once complete, so a partly run cell never enters an analysis."""
+    cells: dict[tuple, list[dict]] = {}
+    for entry in runs:
+        cells.setdefault((entry["phase"], entry["task"], entry["method"], entry["lr"]), []).append(entry)
+    kept, left_out = [], []
+    for (phase, task, method, lr), entries in cells.items():
+        have = sorted(e["seed"] for e in entries)
+        if have == planned_seeds(phase, method):
+            kept += entries
+        else:
+            left_out.append(f"{phase} {task} {method} lr={lr:g}: {len(have)} of {len(planned_seeds(phase, method))} "
+                            "seeds")
+    return kept, left_out
+
+
 def cmd_collect(args) -> int:
     from verl_oar.testbed.machine import machine_info
 
     out = Path(args.out)
     tasks = [t for t in args.tasks.split(",") if t]
-    runs = [e for e in read_store(Path(args.store)) if not tasks or e["task"] in tasks]
+    runs, left_out = complete_cells([e for e in read_store(Path(args.store)) if not tasks or e["task"] in tasks])
+    for line in left_out:
+        print(f"study.py collect: left out (incomplete) {line}")
     cpus: dict[str, int] = {}
     for entry in runs:
         cpus[entry["cpu"]] = cpus.get(entry["cpu"], 0) + 1

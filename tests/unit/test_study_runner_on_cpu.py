@@ -57,18 +57,28 @@ def test_finished_store_and_collect(study, tmp_path, capsys):
     assert study.main(["store", *args]) == 0  # a second pass adds nothing
     assert len(study.read_store(store)) == 2  # the unfinished run is left out
     out = tmp_path / "results.json"
+    capsys.readouterr()
+    assert study.main(["collect", "--out", str(out), "--store", str(store)]) == 0  # no cell holds its 5 seeds yet
+    assert json.loads(out.read_text())["runs"] == []
+    assert "left out (incomplete) tuning fill2 grpo lr=0.001: 1 of 5 seeds" in capsys.readouterr().out
+    for method, lr, steps in (("grpo", 1e-3, 6), ("oar_g", 4e-3, 2)):
+        for seed in range(1001 if method == "oar_g" else 1002, 1005):
+            _write_run(study.run_path(runs, "tuning", "fill2", method, lr, seed), steps)
+    _write_run(partial, 6)
+    assert study.main(["store", *args]) == 0
+    out.unlink()
     assert study.main(["collect", "--out", str(out), "--store", str(store), "--note", "cmd"]) == 0
     result = json.loads(out.read_text())
     by_seed = {(r["method"], r["seed"]): r for r in result["runs"]}
-    assert set(by_seed) == {("grpo", 1000), ("oar_g", 1000)}
+    assert set(by_seed) == {(m, s) for m in ("grpo", "oar_g") for s in range(1000, 1005)}
     assert by_seed[("grpo", 1000)]["reward"] == [0.51, 0.52, 0.53, 0.54, 0.55, 0.56]
     assert by_seed[("grpo", 1000)]["val_accuracy"] == {"0": 0.4, "6": 0.9}
     assert by_seed[("oar_g", 1000)]["steps"] == 6 and "NoAnswerError" in by_seed[("oar_g", 1000)]["error"]
-    assert result["commands"] == ["cmd"] and result["machine"]["runs_per_cpu"] == {"unknown": 2}
+    assert result["commands"] == ["cmd"] and result["machine"]["runs_per_cpu"] == {"unknown": 10}
     capsys.readouterr()
     assert study.main(["status", "--store", str(store)]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "tuning  fill2   grpo             lr=0.001     1 runs", "tuning  fill2   oar_g            lr=0.004     0 runs + 1 crashed"]
+        "tuning  fill2   grpo             lr=0.001     5 runs", "tuning  fill2   oar_g            lr=0.004     4 runs + 1 crashed"]
     # another task's collect leaves these out; a run stored twice is refused with the fix named
     assert study.main(["collect", "--out", str(tmp_path / "r8.json"), "--store", str(store), "--tasks", "fill8"]) == 0
     assert json.loads((tmp_path / "r8.json").read_text())["runs"] == []
