@@ -400,12 +400,11 @@ def complete_cells(runs: list[dict]) -> tuple[list[dict], list[str]]:
         cells.setdefault((entry["phase"], entry["task"], entry["method"], entry["lr"]), []).append(entry)
     kept, left_out = [], []
     for (phase, task, method, lr), entries in cells.items():
-        have = sorted(e["seed"] for e in entries)
-        if have == planned_seeds(phase, method):
+        have, planned = sorted(e["seed"] for e in entries), planned_seeds(phase, method)
+        if have == planned:
             kept += entries
         else:
-            left_out.append(f"{phase} {task} {method} lr={lr:g}: {len(have)} of {len(planned_seeds(phase, method))} "
-                            "seeds")
+            left_out.append(f"{phase} {task} {method} lr={lr:g}: {len(have)} of {len(planned)} seeds")
     return kept, left_out
 
 
