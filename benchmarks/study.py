@@ -206,6 +206,19 @@ class MainPPORoute:
             self.cluster = None
 
 
+def preflight(task: str, main_ppo_methods: list[str]) -> None:
+    """Stop at start-up, not mid-grid, when a main_ppo method cannot run on the task's testbed: building a method's
+    overrides checks its prerequisites (OPPO's teacher for the task's start), with the command that makes them."""
+    if not main_ppo_methods:
+        return
+    from verl_oar.testbed.fast_runner import load_bed
+    from verl_oar.testbed.methods import method as method_entry
+
+    bed = load_bed(testbed_dir(task))
+    for name in main_ppo_methods:
+        method_entry(name).algorithm(0, 0, bed)
+
+
 def runner_of(method: str) -> str:
     """``"fast"`` for the fast runner's methods, ``"main_ppo"`` for the testbed's other methods."""
     from verl_oar.testbed.fast_runner import METHODS
@@ -239,6 +252,7 @@ def cmd_run(args) -> int:
     runners = {m: runner_of(m) for m, _ in cells}
     if args.task not in TASKS:
         sys.exit(f"study.py: unknown task {args.task!r}; one of {', '.join(TASKS)}")
+    preflight(args.task, [m for m, runner in runners.items() if runner == "main_ppo"])
     grid = [(m, lr, s) for s in parse_seeds(args.seeds) for m, lr in cells]
     index, count = (int(x) for x in args.shard.split("/"))
     mine = grid[index::count]

@@ -179,6 +179,16 @@ def test_methods_the_fast_runner_lacks_train_through_main_ppo(study):
     assert others == {"cscr", "oppo", "oppo_teacher", "acpo", "codapo", "oar_g_codapo"}
 
 
+def test_a_main_ppo_method_missing_its_teacher_stops_before_any_run(study, tmp_path):
+    """OPPO's teacher is built per start (fill8 has none): the run stops at start-up naming the build command,
+    instead of training the grid's earlier cells and dying mid-grid."""
+    runs = tmp_path / "runs"
+    with pytest.raises(SystemExit, match=r"no OPPO teacher .*python -m verl_oar.testbed.teacher .*fill8"):
+        study.main(["run", "--phase", "eval", "--task", "fill8", "--methods", "grpo@1e-3,oppo_teacher@1e-3",
+                    "--seeds", "7", "--steps", "4", "--runs-dir", str(runs), "--store", str(tmp_path / "store")])
+    assert not runs.exists()
+
+
 def test_two_processes_share_a_grid_through_claims(study, tmp_path):
     import subprocess
 
