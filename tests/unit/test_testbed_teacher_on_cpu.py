@@ -15,12 +15,14 @@ from verl_oar.testbed.teacher import MANIFEST, TeacherSpec, build_teacher, check
 from verl_oar.testbed.workspace import committed_testbed, copy_testbed, max_response_tokens, sample_responses, split_problems
 
 
-def test_the_committed_teacher_reads_the_hint_as_teacher_json_says():
+@pytest.mark.parametrize("variant", [None, "fill32"])  # the committed start's teacher; the study's longest task's
+def test_the_committed_teacher_reads_the_hint_as_teacher_json_says(variant):
     from transformers import AutoModelForCausalLM
 
     from verl_oar.cpu.workspace import build_tokenizer
+    from verl_oar.testbed.variants import load_variant
 
-    bed = committed_testbed()
+    bed = committed_testbed() if variant is None else load_variant(variant)
     assert check_teacher(bed) == bed.teacher_dir
     manifest = json.loads((bed.teacher_dir / MANIFEST).read_text())
     recorded = manifest["val_samples"]
