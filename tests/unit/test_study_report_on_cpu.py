@@ -86,6 +86,10 @@ def test_readme_quotes_the_study_as_rendered(analysis):
         iv = study_report._iv(comps[method]["relative_steps"], pct=True)  # e.g. "+4.0% [-18.0%, +26.0%]"
         estimate, interval = iv.split(" ", 1)
         assert f"{estimate} steps {interval}" in readme or f"{estimate} {interval}" in readme, iv
+    for variant, d in analysis["fill32"]["vs_full_oar_g"].items():  # H3's ablations (steps more than full OAR-G)
+        if variant.startswith("oar_g_no_"):
+            estimate, interval = study_report._iv(d).split(" ", 1)
+            assert f"{estimate} steps {interval}" in readme or f"{estimate} {interval}" in readme, (variant, d)
 
 
 def test_h3_h4_and_h5_tables_render_once_their_runs_exist():
