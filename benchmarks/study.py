@@ -13,7 +13,8 @@ each process claims the next run nobody has claimed, through a ``.claim`` file h
 process is gone; ``--shard i/n`` splits the grid statically instead) and writes verl's file-logger metric file
 ``RUNS/PHASE/TASK/METHOD/lr{LR}_seed{SEED}.jsonl`` (git-ignored scratch). A run that raises is recorded as
 ``...jsonl.error`` (the traceback) and counted as censored by the analysis (docs/study.md: no run is dropped or
-re-run).
+re-run). A main_ppo trainer killed by a signal from outside (an operator, the OOM killer) did not fail on its own:
+that run is not recorded and the process stops, so that the same command trains it again.
 
 Every finished run is appended, as one line (its curves, seconds, error if any and CPU), to the committed run store
 ``benchmarks/study_runs/`` (one file per phase and task): the study spans many sessions on machines whose scratch
@@ -275,7 +276,7 @@ def train_one(args, route: MainPPORoute, runner: str, method: str, lr: float, se
               fast_run) -> bool:
     """Train one grid cell unless it is stored, finished or claimed by another process, and append it to the store;
     whether it trained here."""
-    from verl_oar.testbed.training_runs import RunSettings
+    from verl_oar.testbed.training_runs import RunInterrupted, RunSettings
 
     runs_dir, store = Path(args.runs_dir), Path(args.store)
     path = run_path(runs_dir, args.phase, args.task, method, lr, seed)
@@ -298,6 +299,10 @@ def train_one(args, route: MainPPORoute, runner: str, method: str, lr: float, se
             fast_run(method, seed, settings, path, testbed=testbed_dir(args.task), log=log)
         else:
             route.train(method, seed, settings, path, log)
+    except RunInterrupted:  # killed from outside: not the run's failure, so not stored; the command resumes it
+        path.unlink(missing_ok=True)
+        Path(str(path) + ".claim").unlink(missing_ok=True)
+        raise
     except Exception:  # recorded, counted as censored by the analysis (never re-run silently)
         Path(str(path) + ".error").write_text(traceback.format_exc())
         print(f"[study] {path} FAILED (see .error)", flush=True)

@@ -204,3 +204,53 @@ def test_two_processes_share_a_grid_through_claims(study, tmp_path):
         live.kill()
         live.wait()
     assert study.claim(path) and lock.read_text() == str(os.getpid())  # its process is gone: taken over
+
+
+def _child(tmp_path, name: str, code: str):
+    from verl_oar.testbed.training_runs import Run
+
+    return Run(method=name, seed=0, cmd=[sys.executable, "-c", code], metrics_path=tmp_path / f"{name}.jsonl",
+               log_path=tmp_path / f"{name}.log", cwd=tmp_path)
+
+
+def test_run_all_tells_a_kill_from_outside_from_a_failure(tmp_path):
+    """A trainer killed by a signal from outside (an operator, the OOM killer) raises RunInterrupted; one that exits
+    non-zero, or that run_all stops at its timeout, is a failure (RuntimeError)."""
+    from verl_oar.testbed.training_runs import RunInterrupted, run_all
+
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    with pytest.raises(RunInterrupted, match=r"killed/seed0 \(signal 9\)"):
+        run_all([_child(tmp_path, "killed", kill)], total_steps=1, log=lambda m: None)
+    with pytest.raises(RuntimeError) as failed:
+        run_all([_child(tmp_path, "killed", kill), _child(tmp_path, "exits", "raise SystemExit(3)")],
+                total_steps=1, log=lambda m: None)
+    assert not isinstance(failed.value, RunInterrupted)  # one run failed on its own: a failure
+    with pytest.raises(RuntimeError) as slow:
+        run_all([_child(tmp_path, "slow", "import time; time.sleep(60)")], total_steps=1, log=lambda m: None,
+                timeout_s=1)
+    assert not isinstance(slow.value, RunInterrupted)
+
+
+def test_a_run_killed_from_outside_is_not_stored(study, tmp_path):
+    """A crash is stored (censored, never re-run); a kill from outside is not the run's failure: nothing is stored,
+    the claim is released and the process stops, so that the same command trains the run again."""
+    from verl_oar.testbed.training_runs import RunInterrupted
+
+    class Route:
+        def __init__(self, error):
+            self.error = error
+
+        def train(self, method, seed, settings, path, log):
+            path.write_text('{"step": 0, "data": {}}\n')
+            raise self.error
+
+    args = type("Args", (), {"runs_dir": str(tmp_path / "runs"), "store": str(tmp_path / "store"), "phase": "eval",
+                             "task": "fill32", "steps": 4})()
+    with pytest.raises(RunInterrupted):
+        study.train_one(args, Route(RunInterrupted("cscr/seed7 (signal 9)")), "main_ppo", "cscr", 1e-3, 7, set(),
+                        "CPU", None)
+    path = study.run_path(Path(args.runs_dir), "eval", "fill32", "cscr", 1e-3, 7)
+    assert not (tmp_path / "store").exists() and not path.exists() and not Path(str(path) + ".claim").exists()
+    assert study.train_one(args, Route(RuntimeError("boom")), "main_ppo", "cscr", 1e-3, 7, set(), "CPU", None)
+    [stored] = study.read_store(tmp_path / "store", "eval", "fill32")
+    assert "boom" in stored["error"] and stored["runner"] == "main_ppo"

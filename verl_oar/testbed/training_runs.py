@@ -156,20 +156,33 @@ def train_records(records: Sequence[dict]) -> list[dict]:
     return [r for r in records if REWARD in r["data"]]
 
 
+class RunInterrupted(RuntimeError):
+    """A trainer process was killed by a signal it did not send itself (an operator, the OOM killer): the run did
+    not fail on its own, and a caller that records failures should not record it as one."""
+
+
 def run_all(
     runs: Sequence[Run], *, total_steps: int, log: Callable[[str], None], timeout_s: float | None = None
 ) -> None:
     """Run every run, one at a time (they share one Ray cluster, and TransferQueue's controller is a
     named actor in a fixed namespace), in order; log each new step as it lands. Raises RuntimeError
-    naming the first failed run and its log once every run has ended."""
+    naming the first failed run and its log once every run has ended; :class:`RunInterrupted` when every
+    failed run was killed by a signal from outside (not a failure of the run itself). An interrupt of this
+    process (Ctrl-C) stops the running trainer too: it runs in its own session and would outlive us."""
+    timed_out = set()
     for run in runs:  # the parallel scheduler of the first edition reduced to what one cluster allows
         _start(run)
         log(f"{run.label}: started (log {run.log_path})")
-        while run.process.poll() is None and not (timeout_s and time.time() - run.started > timeout_s):
-            time.sleep(1.0)
-            _report_progress(run, total_steps, log)
+        try:
+            while run.process.poll() is None and not (timeout_s and time.time() - run.started > timeout_s):
+                time.sleep(1.0)
+                _report_progress(run, total_steps, log)
+        except BaseException:
+            stop_process_group(run.process)
+            raise
         if run.process.poll() is None:
             stop_process_group(run.process)
+            timed_out.add(run.label)
             log(f"{run.label}: stopped after {timeout_s:.0f} s")
         run.returncode = run.process.returncode
         run.finished = time.time()
@@ -178,6 +191,9 @@ def run_all(
         log(f"{run.label}: {'finished' if run.returncode == 0 else f'FAILED (exit {run.returncode})'} "
             f"in {run.finished - run.started:.0f} s")
     failed = [r for r in runs if r.returncode != 0]
+    if failed and all(r.returncode < 0 and r.label not in timed_out for r in failed):
+        raise RunInterrupted(f"{len(failed)} training run(s) killed by a signal from outside: "
+                             + ", ".join(f"{r.label} (signal {-r.returncode})" for r in failed))
     if failed:
         tail = failed[0].log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(
