@@ -167,6 +167,9 @@ def test_h3_h4_variants_run_at_oar_gs_rate_and_are_compared_with_full_oar_g():
     assert v["oar_g_tau0.25"]["estimate"] == -2 and v["oar_g_tau0.25"]["verdict"] == "not supported"
     assert v["oar_g_tau0.75"]["estimate"] == 0 and v["oar_g_tau0.75"]["verdict"] == "inconclusive"
     assert out["comparisons"]["oar_g_no_amplify"]["lr"] == 0.002  # OAR-G's tuned rate, against tuned GRPO
+    # H1 and H2 are claims about OAR: a variant's row carries numbers, no verdict
+    assert "h2_verdict_auc" in out["comparisons"]["oar_g"]
+    assert not {"h1_verdict", "h2_verdict_auc"} & set(out["comparisons"]["oar_g_no_amplify"])
     assert sa.slower_verdict({"low": None, "high": None}) == "inconclusive"
     assert sa.h4_verdict(v) == "not supported"  # tau 0.25 is faster
     assert sa.h4_verdict({"oar_g_tau0.25": {"verdict": "supported"}}) is None

@@ -285,9 +285,9 @@ def analyse_task(runs: Sequence[Mapping], task: str) -> dict:
         level = H1_LEVEL if method in H1_METHODS else 0.95
         c = compare_cells(cell, base, level=level)
         c["lr"], c["baseline_lr"] = lr_of[method], lr_of[BASELINE]
-        if method in H1_METHODS:
+        if method in H1_METHODS:  # H1 and H2 are claims about OAR; the other rows are exploratory numbers only
             c["h1_verdict"] = h1_verdict(c["relative_steps"])
-        c["h2_verdict_auc"] = h2_verdict(c["sd_ratio_auc"])
+            c["h2_verdict_auc"] = h2_verdict(c["sd_ratio_auc"])
         comparisons[method] = c
         step_size[method] = {f"{lr:g}": relative_steps(cell, other, level=0.95)
                              for (m, lr), other in sorted(cells.items()) if m == BASELINE}

@@ -25,7 +25,11 @@ FILLER_WORDS = sa.FILLER_WORDS
 LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P exact", "oar_p_chunk16": "OAR-P chunk K=16",
           "oar_g_no_amplify": "OAR-G without amplification", "oar_g_no_suppress": "OAR-G without suppression",
           "oar_g_no_preserve_mass": "OAR-G without mass preservation", "oar_g_tau0.25": "OAR-G, tau 0.25",
-          "oar_g_tau0.75": "OAR-G, tau 0.75"}
+          "oar_g_tau0.75": "OAR-G, tau 0.75", "cscr": "CSCR", "oppo": "OPPO, self-oracle",
+          "oppo_teacher": "OPPO, teacher oracle", "acpo": "ACPO", "codapo": "CoDaPO", "oar_g_codapo": "OAR-G x CoDaPO"}
+ORDER = ["grpo", "oar_g", "oar_p_chunk16", "oar_p", *sa.ABLATIONS, *sa.TAUS, *(m for m in LABELS if m in sa.RATE_FROM
+                                                                            and m not in (*sa.ABLATIONS, *sa.TAUS))]
+"""table rows: the primary methods, OAR-G's variants, then the other registered methods (unknown names last)"""
 
 
 def _label(method: str) -> str:
@@ -71,14 +75,16 @@ def eval_table(task: str, result: dict) -> str:
              "| method (lr) | mean steps (GRPO) | relative change of steps [interval] | H1 | AUC diff [95%] | "
              "final diff [95%] | SD ratio, AUC [95%] | H2 | SD ratio, steps [95%] | censored (GRPO) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    most = max((len(c["seeds"]) for c in comps.values()), default=0)
     for method in _order(comps):
         c = comps[method]
         level = c["relative_steps"]["level"]
+        fewer = f", {len(c['seeds'])} seeds" if len(c["seeds"]) < most else ""  # the main_ppo-only methods' 5
         lines.append(
-            f"| {_label(method)} ({c['lr']:g}) | {c['mean_steps']:.2f} ({c['baseline_mean_steps']:.2f}) | "
+            f"| {_label(method)} ({c['lr']:g}{fewer}) | {c['mean_steps']:.2f} ({c['baseline_mean_steps']:.2f}) | "
             f"{_iv(c['relative_steps'], pct=True)} ({100 * level:.2f}%) | {c.get('h1_verdict', '-')} | "
             f"{_iv(c['auc_diff'], digits=3)} | {_iv(c['final_diff'], digits=3)} | {_ratio(c['sd_ratio_auc'])} | "
-            f"{c['h2_verdict_auc']} | {_ratio(c['sd_ratio_steps'])} | "
+            f"{c.get('h2_verdict_auc', '-')} | {_ratio(c['sd_ratio_steps'])} | "
             f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) |")
     return "\n".join(lines)
 
@@ -139,8 +145,7 @@ def tables(results: dict) -> str:
 
 
 def _order(mapping) -> list[str]:
-    known = ["grpo", "oar_g", "oar_p_chunk16", "oar_p"]
-    return [m for m in known if m in mapping] + sorted(m for m in mapping if m not in known)
+    return [m for m in ORDER if m in mapping] + sorted(m for m in mapping if m not in ORDER)
 
 
 def _seed_span(tuning: dict) -> str:
