@@ -2,6 +2,10 @@
 
     python benchmarks/study_diagnostics.py --task fill32 --lr 0.001 \
         --out benchmarks/results_study_diagnostics_fill32_cpu.json [--runs-dir runs/study]
+    python benchmarks/study_diagnostics.py --table benchmarks/results_study_diagnostics_fill32_cpu.json
+
+The second form prints docs/study.md's table of the methods evaluated on fewer seeds (the main_ppo-only ones), with
+GRPO and OAR-G on the same seeds, from the committed files (a test keeps the page equal to it).
 
 The run store (``benchmarks/study_runs/``) keeps each run's training reward and held-out accuracy only; the full
 metric files ``RUNS/eval/TASK/METHOD/lr{LR}_seed{SEED}.jsonl`` that verl's file logger wrote live in git-ignored
@@ -22,6 +26,7 @@ import argparse
 import json
 import platform
 import re
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,13 +66,52 @@ def collect(runs_dir: Path, task: str, lr: float) -> dict:
     return out
 
 
+def table(diagnostics: dict, results: dict) -> str:
+    """docs/study.md's table: per method evaluated on fewer seeds (``study_analysis.RATE_FROM``'s GRPO-rate ones),
+    and GRPO and OAR-G on those seeds, the endpoints (from the run store's results) beside what the metrics show."""
+    from verl_oar.testbed import study_analysis as sa
+    from verl_oar.testbed.study_report import _label, _order
+
+    task, lr, kept = diagnostics["task"], diagnostics["lr"], diagnostics["runs"]
+    others = [m for m in _order(kept) if sa.RATE_FROM.get(m) == sa.BASELINE]
+    seeds = sorted(set.intersection(*(set(map(int, kept[m])) for m in others)))
+    stored = {(r["method"], r["seed"]): r for r in results["runs"]
+              if r["phase"] == "eval" and r["task"] == task and r["lr"] == lr}
+    lines = [f"| method (lr {lr:g}, seeds {seeds[0]}-{seeds[-1]}) | mean steps | censored | runs whose reward stays 0 "
+             "(from step) | mean response length, last step | token entropy, last step: median [range] | "
+             "gradient norm, steps 1-3 (median) |", "|---|---|---|---|---|---|---|"]
+    for method in ["grpo", "oar_g", *others]:
+        runs = [kept[method][str(s)] for s in seeds]
+        ends = [sa.run_endpoints(stored[(method, s)], stored[(method, s)]["steps"]) for s in seeds]
+        zero = sorted(r["summary"]["zero_from"] for r in runs if r["summary"]["zero_from"] is not None)
+        length = sorted(round(r["summary"]["length_last"]) for r in runs)
+        entropy = sorted(r["summary"]["entropy_last"] for r in runs)
+        norms = sorted(x for r in runs for x in r["series"]["actor/grad_norm"][:3])
+        runner = stored[(method, seeds[0])].get("runner", "fast runner")
+        stays_zero = f"{len(zero)} (step{'s' if len(zero) > 1 else ''} {', '.join(map(str, zero))})" if zero else "none"
+        lines.append(
+            f"| {_label(method)}{' (fast runner)' if runner == 'fast runner' else ''} | "
+            f"{statistics.fmean(e['steps'] for e in ends):.1f} | {sum(e['censored'] for e in ends)} | "
+            f"{stays_zero} | "
+            f"{length[0] if length[0] == length[-1] else f'{length[0]}-{length[-1]}'} | "
+            f"{statistics.median(entropy):.2f} [{entropy[0]:.2f}, {entropy[-1]:.2f}] | {statistics.median(norms):.2g} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", required=True)
-    p.add_argument("--lr", type=float, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--task")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--out", type=Path)
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "study")
+    p.add_argument("--table", type=Path, help="print docs/study.md's table from this diagnostics file instead")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results_study_cpu.json")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(json.loads(args.table.read_text()), json.loads(args.results.read_text())))
+        return
+    if args.task is None or args.lr is None or args.out is None:
+        p.error("--task, --lr and --out are required (or --table FILE)")
     runs = collect(args.runs_dir, args.task, args.lr)
     if not runs:
         raise SystemExit(f"study_diagnostics.py: no finished evaluation run of {args.task} at lr {args.lr:g} under "
