@@ -1,26 +1,19 @@
 """benchmarks/hierarchical_quality.py --testbed: the model, tokenizer and prompts of a built testbed (fill32), its
 long lengths skipped when they do not fit the model or its own responses are longer, and the pick measures."""
 
-import importlib.util
 import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from _benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 FILL32 = ROOT / "verl_oar" / "testbed" / "variants" / "fill32"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("hierarchical_quality", ROOT / "benchmarks" / "hierarchical_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-hq = _module()
+hq = load_benchmark("hierarchical_quality")
 
 
 def test_fill32_tiny_run(tmp_path, monkeypatch):

@@ -3,23 +3,18 @@ here), and that the committed diagnostics agree with the committed run store."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def diag():
-    spec = importlib.util.spec_from_file_location("study_diagnostics", ROOT / "benchmarks" / "study_diagnostics.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["study_diagnostics"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("study_diagnostics")
 
 
 def _write(path: Path, rewards: list[float], lengths: list[float], entropy: list[float]) -> None:

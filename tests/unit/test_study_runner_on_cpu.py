@@ -3,13 +3,14 @@ a finished run (a crash is final), what ``collect`` keeps, and the ablation / ta
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from _benchmarks import load_benchmark
 
 from verl_oar.testbed.fast_runner import METHODS, load_bed, overrides_of
 from verl_oar.testbed.training_runs import RunSettings
@@ -19,11 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("study_runner", ROOT / "benchmarks" / "study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["study_runner"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("study")
 
 
 def test_seeds(study):
