@@ -45,13 +45,16 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = {"fill2": None, "fill8": "fill8", "fill32": "fill32"}
+TASKS = {"fill2": None, "fill8": "fill8", "fill32": "fill32", "fill64": "fill64"}
 """study task -> testbed variant folder name (None: the committed start)"""
 STORE = ROOT / "benchmarks" / "study_runs"
 """the committed run store: one ``PHASE_TASK.jsonl`` per phase and task, one finished run per line"""
 KEY = ("phase", "task", "method", "lr", "seed")
 TUNING_SEEDS, EVAL_SEEDS, OTHER_SEEDS = "1000-1004", "2000-2019", "2000-2004"
 """docs/study.md's seeds: tuning; evaluation; the methods only main_ppo carries (fewer seeds, the plan says)"""
+REPLICATION_SEEDS = "4000-4039"
+"""the confirmatory replication's fresh block (docs/study.md, pre-registered 2026-12-06): phase ``replication``"""
+PHASES = ("tuning", "eval", "replication")
 LONGEST = "fill32"
 """the task where the ablations, tau and the other registered methods run"""
 
@@ -120,11 +123,15 @@ def entry_of(path: Path, phase: str, task: str, method: str, lr: float, seed: in
     error = Path(str(path) + ".error")
     if error.exists():
         entry["error"] = error.read_text()[-2000:]
+        if path.exists():  # the curve up to the stop: the analysis counts every later validation point as 0
+            entry.update(read_run(path))
     elif finished(path, meta["steps"]):
         entry.update(read_run(path))
     else:
         return None
     entry["cpu"] = meta.get("cpu", "unknown")
+    if "cpu_id" in meta:  # vendor, family, model, stepping: float32 trajectories are repeatable only on one of these
+        entry["cpu_id"] = meta["cpu_id"]
     if "runner" in meta:
         entry["runner"] = meta["runner"]
     return entry
@@ -238,10 +245,18 @@ def testbed_dir(task: str) -> Path | None:
     return None if variant is None else ROOT / "verl_oar" / "testbed" / "variants" / variant
 
 
+def refuse_seen_seeds(seeds: list[int], stored: list[dict], task: str) -> None:
+    """A replication runs only on seeds that no other phase of the task has used (docs/study.md)."""
+    seen = sorted({e["seed"] for e in stored if e["task"] == task and e["phase"] != "replication"} & set(seeds))
+    if seen:
+        raise SystemExit(f"study.py: seeds {seen} were already used by {task}'s tuning or evaluation; a replication "
+                         f"needs fresh seeds (docs/study.md's block is {REPLICATION_SEEDS})")
+
+
 def cmd_run(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from verl_oar.testbed.fast_runner import run
-    from verl_oar.testbed.machine import machine_info
+    from verl_oar.testbed.machine import cpu_id, machine_info
 
     lrs = [float(x) for x in (args.lrs or "").split(",") if x]
     cells = []  # (method, lr): "name" takes every --lrs rate, "name@lr" that rate only
@@ -254,11 +269,14 @@ def cmd_run(args) -> int:
     if args.task not in TASKS:
         sys.exit(f"study.py: unknown task {args.task!r}; one of {', '.join(TASKS)}")
     preflight(args.task, [m for m, runner in runners.items() if runner == "main_ppo"])
-    grid = [(m, lr, s) for s in parse_seeds(args.seeds) for m, lr in cells]
+    seeds = parse_seeds(args.seeds)
+    if args.phase == "replication":
+        refuse_seen_seeds(seeds, read_store(Path(args.store)), args.task)
+    grid = [(m, lr, s) for s in seeds for m, lr in cells]
     index, count = (int(x) for x in args.shard.split("/"))
     mine = grid[index::count]
     stored = {tuple(e[k] for k in KEY) for e in read_store(Path(args.store), args.phase, args.task)}
-    cpu = machine_info()["cpu"]
+    cpu = {"cpu": machine_info()["cpu"], "cpu_id": cpu_id()}
     route = MainPPORoute(args.task, Path(args.runs_dir))
     done = 0
     try:
@@ -272,7 +290,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-def train_one(args, route: MainPPORoute, runner: str, method: str, lr: float, seed: int, stored: set, cpu: str,
+def train_one(args, route: MainPPORoute, runner: str, method: str, lr: float, seed: int, stored: set, cpu: dict,
               fast_run) -> bool:
     """Train one grid cell unless it is stored, finished or claimed by another process, and append it to the store;
     whether it trained here."""
@@ -306,7 +324,7 @@ def train_one(args, route: MainPPORoute, runner: str, method: str, lr: float, se
     except Exception:  # recorded, counted as censored by the analysis (never re-run silently)
         Path(str(path) + ".error").write_text(traceback.format_exc())
         print(f"[study] {path} FAILED (see .error)", flush=True)
-    meta = {"steps": args.steps, "seconds": round(time.time() - began, 2), "cpu": cpu,
+    meta = {"steps": args.steps, "seconds": round(time.time() - began, 2), **cpu,
             **({"runner": runner} if runner != "fast" else {})}
     Path(str(path) + ".meta.json").write_text(json.dumps(meta) + "\n")
     append_to_store(store, entry_of(path, args.phase, args.task, method, lr, seed))
@@ -408,6 +426,8 @@ def planned_seeds(phase: str, method: str) -> list[int]:
 
     if phase == "tuning":
         return parse_seeds(TUNING_SEEDS)
+    if phase == "replication":
+        return parse_seeds(REPLICATION_SEEDS)
     return parse_seeds(OTHER_SEEDS if sa.RATE_FROM.get(method) == sa.BASELINE else EVAL_SEEDS)
 
 
@@ -460,7 +480,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--phase", required=True, choices=("tuning", "eval"))
+    r.add_argument("--phase", required=True, choices=PHASES)
     r.add_argument("--task", required=True)
     r.add_argument("--methods", required=True)
     r.add_argument("--lrs", default="", help="rates for methods named without @RATE")

@@ -245,9 +245,9 @@ def test_a_run_killed_from_outside_is_not_stored(study, tmp_path):
                              "task": "fill32", "steps": 4})()
     with pytest.raises(RunInterrupted):
         study.train_one(args, Route(RunInterrupted("cscr/seed7 (signal 9)")), "main_ppo", "cscr", 1e-3, 7, set(),
-                        "CPU", None)
+                        {"cpu": "CPU"}, None)
     path = study.run_path(Path(args.runs_dir), "eval", "fill32", "cscr", 1e-3, 7)
     assert not (tmp_path / "store").exists() and not path.exists() and not Path(str(path) + ".claim").exists()
-    assert study.train_one(args, Route(RuntimeError("boom")), "main_ppo", "cscr", 1e-3, 7, set(), "CPU", None)
+    assert study.train_one(args, Route(RuntimeError("boom")), "main_ppo", "cscr", 1e-3, 7, set(), {"cpu": "CPU"}, None)
     [stored] = study.read_store(tmp_path / "store", "eval", "fill32")
     assert "boom" in stored["error"] and stored["runner"] == "main_ppo"
