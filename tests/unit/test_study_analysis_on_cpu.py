@@ -28,8 +28,17 @@ def test_endpoints_reached_censored_and_crashed():
     assert sa.run_endpoints(_run("t", "x", "m", 1, 0, 7), 32)["steps"] == 7
     never = sa.run_endpoints(_run("t", "x", "m", 1, 0, None), 32)
     assert never["steps"] == 33 and never["censored"]
-    crashed = sa.run_endpoints({"error": "boom"}, 24)
-    assert crashed["steps"] == 25 and crashed["censored"] and crashed["error"] and math.isnan(crashed["auc"])
+    crashed = sa.run_endpoints({"error": "boom"}, 24)  # the store kept no curve: 0 at every planned point
+    assert crashed["steps"] == 25 and crashed["censored"] and crashed["error"]
+    assert crashed["auc"] == 0.0 and crashed["final"] == 0.0
+
+
+def test_a_stopped_run_keeps_its_recorded_points_and_scores_0_after_its_stop():
+    stopped = {"error": "no-answer guard", "reward": [0.5] * 10, "val_accuracy": {"0": 0.4, "4": 0.6, "8": 0.8}}
+    e = sa.run_endpoints(stopped, 16)
+    # points (0, .4), (4, .6), (8, .8), (12, 0), (16, 0): trapezoids 2 + 2.8 + 1.6 + 0 = 6.4 over 16 steps
+    assert e["auc"] == pytest.approx(6.4 / 16) and e["final"] == 0.0 and e["steps"] == 17 and e["censored"]
+    assert sa.planned_val_steps(30) == [0, 4, 8, 12, 16, 20, 24, 28, 30]
 
 
 def test_tuning_picks_lowest_mean_steps_then_auc_then_smaller_rate():
@@ -130,7 +139,7 @@ def test_a_cell_whose_runs_all_crashed_counts_every_run_censored():
     assert tuned["grpo"]["lr"] == 0.001
 
 
-def test_a_crashed_run_counts_censored_in_steps_and_leaves_the_auc_comparisons():
+def test_a_stopped_run_is_counted_in_every_comparison():
     seeds = list(range(2000, 2008))
     base = {s: _run("eval", "x", "grpo", 1, s, 8 + s % 3, steps=16, auc=0.5 + (s % 4) / 10) for s in seeds}
     meth = {s: _run("eval", "x", "oar_g", 1, s, 7 + s % 2, steps=16, auc=0.6 + (s % 3) / 10) for s in seeds}
@@ -138,7 +147,30 @@ def test_a_crashed_run_counts_censored_in_steps_and_leaves_the_auc_comparisons()
     c = sa.compare_cells(meth, base, level=0.95)
     assert c["errors"] == 1 and c["censored"] == 1 / 8 and c["mean_steps"] == pytest.approx(
         (sum(7 + s % 2 for s in seeds if s != 2003) + 17) / 8)
-    assert c["auc_diff"]["n"] == 7 and c["sd_ratio_auc"]["n"] == 7 and c["sd_ratio_steps"]["n"] == 8
+    assert c["auc_diff"]["n"] == 8 and c["final_diff"]["n"] == 8 and c["sd_ratio_auc"]["n"] == 8
+    assert c["sd_ratio_steps"]["n"] == 8 and c["baseline_errors"] == 0
+    # the stopped run's AUC is 0 (no stored curve), so the mean AUC difference is the plain one with it at 0
+    ends = {s: sa.run_endpoints(r, 16) for s, r in meth.items()}
+    want = sum(ends[s]["auc"] - sa.run_endpoints(base[s], 16)["auc"] for s in seeds) / 8
+    assert ends[2003]["auc"] == 0.0 and c["auc_diff"]["estimate"] == pytest.approx(want)
+
+
+def test_stopped_runs_in_one_arm_only_are_counted_and_lower_that_arm():
+    """The bias the old rule had: dropping pairs with a stopped run kept GRPO's collapsed runs and lost the method's.
+    Here the method's 3 stopped runs stay, with their recorded points, and pull its AUC down."""
+    seeds = list(range(2000, 2010))
+    base = {s: _run("eval", "x", "grpo", 1, s, None, steps=16, auc=0.3) for s in seeds}  # GRPO never gets there
+    meth = {s: _run("eval", "x", "oar_g", 1, s, 8, steps=16, auc=0.9) for s in seeds}
+    for s in seeds[:3]:
+        meth[s] = {"phase": "eval", "task": "x", "method": "oar_g", "lr": 1, "seed": s, "steps": 16,
+                   "error": "no-answer guard", "reward": [0.5] * 5, "val_accuracy": {"0": 0.9, "4": 0.9}}
+    c = sa.compare_cells(meth, base, level=0.95)
+    assert c["seeds"] == seeds and c["errors"] == 3 and c["baseline_errors"] == 0
+    assert c["censored"] == 0.3 and c["baseline_censored"] == 1.0
+    stopped_auc = (0.9 * 4 + 0.45 * 4) / 16  # (0, .9), (4, .9), (8, 0), (12, 0), (16, 0)
+    assert c["auc_diff"]["estimate"] == pytest.approx((7 * 0.9 + 3 * stopped_auc) / 10 - 0.3)
+    assert c["final_diff"]["estimate"] == pytest.approx((7 * 0.9 + 3 * 0.0) / 10 - 0.3)
+    assert c["auc_diff"]["n"] == 10
 
 
 def _tuned(task: str) -> list[dict]:
@@ -213,3 +245,60 @@ def test_h5_slope_over_log2_filler_with_each_tasks_seeds_resampled_independently
     assert h5["oar_g"]["verdict"] == ("supported" if h5["oar_g"]["high"] < 0 else "inconclusive")
     one_task = {"runs": [r for r in runs if r["task"] == "fill2"]}
     assert sa.analyse_h5(one_task) == {}  # H5 needs two tasks
+
+
+def test_power_statement_is_the_normal_approximation_worked_by_hand():
+    # d = +1, -1, +1, -1: sd = sqrt(4/3); GRPO's mean 10; n = ceil((2.801585 * 1.154701 / (0.1 * 10))^2) = 11
+    power = sa.seeds_for_effect([11, 9, 11, 9], [10, 10, 10, 10])
+    assert power["seeds"] == 11 and power["sd_paired_difference"] == pytest.approx(math.sqrt(4 / 3))
+    assert sa.seeds_for_effect([11, 9, 11, 9], [10, 10, 10, 10], effect=0.2)["seeds"] == 3
+
+
+def _replication_runs(effect_steps: int, *, overlap: bool = False) -> list[dict]:
+    """fill32 tuned to 0.001 for all three methods, an evaluation on 2000-2009 (OAR-G 2 steps sooner) and a
+    replication on 4000-4009 (OAR-G ``effect_steps`` sooner, OAR-P chunk equal to GRPO)."""
+    runs = []
+    for seed in range(1000, 1005):
+        runs += [_run("tuning", "fill32", m, 0.001, seed, 12) for m in ("grpo", "oar_g", "oar_p_chunk16")]
+    for seed in range(2000, 2010):
+        runs += [_run("eval", "fill32", "grpo", 0.001, seed, 14 + seed % 3),
+                 _run("eval", "fill32", "oar_g", 0.001, seed, 12 + seed % 3),
+                 _run("eval", "fill32", "oar_p_chunk16", 0.001, seed, 14 + seed % 3)]
+    for seed in (range(2005, 2015) if overlap else range(4000, 4010)):
+        runs += [_run("replication", "fill32", "grpo", 0.001, seed, 14 + seed % 4),
+                 _run("replication", "fill32", "oar_g", 0.001, seed, 14 - effect_steps + seed % 4),
+                 _run("replication", "fill32", "oar_p_chunk16", 0.001, seed, 14 + seed % 4)]
+    return runs
+
+
+def test_replication_is_judged_on_its_own_seeds_with_the_original_and_pooled_beside_it():
+    rep = sa.analyse_replication(_replication_runs(1))
+    g, p = rep["oar_g"], rep["oar_p_chunk16"]
+    grpo = [14 + s % 4 for s in range(4000, 4010)]
+    assert g["seeds"] == list(range(4000, 4010)) and g["relative_steps"]["level"] == 0.95
+    assert g["relative_steps"]["estimate"] == pytest.approx(-10 / sum(grpo))
+    assert g["verdict"] == "faster" and p["verdict"] == "inconclusive"  # a constant -1 step: every resample < 0
+    assert g["original"]["estimate"] == pytest.approx(-20 / sum(14 + s % 3 for s in range(2000, 2010)))
+    assert g["original"]["level"] == pytest.approx(sa.H1_LEVEL) and g["original_inside"] is False
+    assert g["pooled_seeds"] == 20
+    assert g["pooled"]["estimate"] == pytest.approx(-30 / (sum(grpo) + sum(14 + s % 3 for s in range(2000, 2010))))
+    assert g["power"]["seeds"] == 0  # no spread in the paired differences: any n detects it (reported as is)
+    assert sa.analyse_replication(_replication_runs(-1))["oar_g"]["verdict"] == "slower"
+    with pytest.raises(ValueError, match="overlap"):
+        sa.analyse_replication(_replication_runs(1, overlap=True))
+    assert sa.analyse_replication([r for r in _replication_runs(1) if r["phase"] != "replication"]) == {}
+
+
+def test_growth_resamples_each_task_independently_and_reads_the_sign():
+    def cells(method_steps, base_steps, first_seed):
+        def cell(method, steps):
+            return {first_seed + i: _run("eval", "t", method, 1, first_seed + i, s, steps=64) for i, s in enumerate(steps)}
+        return cell("oar_g", method_steps), cell("grpo", base_steps)
+
+    longer = cells([10, 12, 10, 12, 11], [20, 20, 21, 19, 20], 2000)    # -45%
+    shorter = cells([18, 19, 18, 19, 18], [20, 20, 21, 19, 20], 4000)   # -8%
+    d = sa.effect_difference(longer, shorter)
+    assert d["estimate"] == pytest.approx(55 / 100 - 92 / 100) and d["verdict"] == "grows"
+    assert sa.effect_difference(shorter, longer)["verdict"] == "shrinks"
+    same = sa.effect_difference(shorter, shorter)
+    assert same["estimate"] == 0.0 and same["verdict"] == "inconclusive" and same["low"] < 0 < same["high"]

@@ -5,8 +5,9 @@ reward: [per-step training reward], val_accuracy: {step: greedy held-out accurac
 Plain Python; every number of the study's tables comes from :func:`analyse`.
 
 Per run: ``steps`` = first step whose trailing 3-step mean training reward reaches 0.8, else the run's steps + 1
-(censored; a crashed run is censored too); ``auc`` = trapezoid mean of held-out accuracy over training; ``final`` =
-the last held-out accuracy.
+(censored; a run stopped by a guard or an error is censored too); ``auc`` = trapezoid mean of held-out accuracy over
+training; ``final`` = the last held-out accuracy. No run is dropped (docs/study.md, "Stopped runs"): a stopped run
+keeps the held-out points it recorded, and every planned point after its stop counts 0.
 
 Per task: the tuned rate of each method (lowest mean steps over the tuning seeds, ties to the higher mean AUC, then
 the smaller rate), the evaluation length (twice tuned GRPO's median steps, rounded up to a multiple of 4, within
@@ -30,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from verl_oar.testbed.measures import bootstrap, curve_auc, paired_bootstrap, steps_to_threshold_censored
 
 THRESHOLD, WINDOW = 0.8, 3
+VAL_EVERY = 4
+"""the study's validation interval (steps): held-out accuracy at step 0, every 4 steps and the last step"""
 RESAMPLES, RNG_SEED = 10000, 0
 H1_METHODS = ("oar_g", "oar_p_chunk16", "oar_p")
 """the OAR methods of H1's family (x 3 tasks = 9 comparisons)"""
@@ -49,14 +52,32 @@ RATE_FROM = {**dict.fromkeys((*ABLATIONS, *TAUS), "oar_g"),
 """a method evaluated without tuning runs -> the method whose tuned rate it runs at (docs/study.md)"""
 FULL = "oar_g"
 """the full method H3's ablations and H4's tau variants are compared with"""
-FILLER_WORDS = {"fill2": 2, "fill8": 8, "fill32": 32}
+FILLER_WORDS = {"fill2": 2, "fill8": 8, "fill32": 32, "fill64": 64}
 """H5's x axis: filler words per gap of each task"""
+H1_TASKS = ("fill2", "fill8", "fill32")
+"""the tasks of H1's Bonferroni family; fill64 (pre-registered later, R2) is tested at 95%"""
+REPLICATION_TASK, REPLICATION_METHODS = "fill32", ("oar_g", "oar_p_chunk16")
+"""R1 (docs/study.md, pre-registered 2026-12-06): OAR-G is the one confirmatory comparison, OAR-P chunk secondary"""
+GROWTH_TASK = "fill64"
+"""R2: the longer task whose OAR-G effect is compared with the replication's fill32 effect"""
+POWER_EFFECT, Z_TWO_SIDED_95, Z_POWER_80 = 0.10, 1.959964, 0.841621
+
+
+def planned_val_steps(steps: int) -> list[int]:
+    """The steps at which a run of ``steps`` steps validates: 0, every ``VAL_EVERY``, and the last."""
+    return sorted({*range(0, steps + 1, VAL_EVERY), steps})
 
 
 def run_endpoints(run: Mapping, steps: int) -> dict:
-    """One run's endpoints; ``steps``: the phase's run length (a crashed run counts ``steps + 1``, censored)."""
+    """One run's endpoints; ``steps``: the phase's run length. A stopped run (``error``: a guard or a crash) counts
+    ``steps + 1``, censored; its held-out curve is what it recorded before the stop (none if the store kept none)
+    followed by 0 at every planned validation step after the stop, so it enters every comparison."""
     if "error" in run:
-        return {"steps": float(steps + 1), "censored": True, "auc": math.nan, "final": math.nan, "error": True}
+        recorded = sorted((int(s), float(v)) for s, v in run.get("val_accuracy", {}).items())
+        last = recorded[-1][0] if recorded else -1
+        points = recorded + [(s, 0.0) for s in planned_val_steps(steps) if s > last]
+        return {"steps": float(steps + 1), "censored": True, "auc": curve_auc(points), "final": points[-1][1],
+                "error": True}
     reached, censored = steps_to_threshold_censored(run["reward"], THRESHOLD, WINDOW)
     points = sorted((int(s), float(v)) for s, v in run["val_accuracy"].items())
     return {"steps": reached, "censored": censored, "auc": curve_auc(points), "final": points[-1][1], "error": False}
@@ -89,11 +110,11 @@ def tune(runs: Sequence[Mapping], task: str) -> dict[str, dict]:
         ends = [run_endpoints(cell[s], steps) for s in sorted(cell)]
         by_method.setdefault(method, {})[lr] = {
             "seeds": sorted(cell), "mean_steps": statistics.fmean(e["steps"] for e in ends),
-            "mean_auc": _nanmean([e["auc"] for e in ends]),
+            "mean_auc": statistics.fmean(e["auc"] for e in ends), "stopped": sum(e["error"] for e in ends),
             "censored": sum(e["censored"] for e in ends), "steps": [e["steps"] for e in ends], "run_steps": steps}
     out = {}
     for method, grid in by_method.items():
-        chosen = min(grid, key=lambda lr: (grid[lr]["mean_steps"], -_or(grid[lr]["mean_auc"], -math.inf), lr))
+        chosen = min(grid, key=lambda lr: (grid[lr]["mean_steps"], -grid[lr]["mean_auc"], lr))
         out[method] = {"grid": {f"{lr:g}": v for lr, v in sorted(grid.items())}, "lr": chosen}
     return out
 
@@ -131,8 +152,9 @@ def relative_steps(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *
 
 
 def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *, level: float) -> dict:
-    """Method vs baseline on their common seeds (paired): relative change of mean steps (interval at ``level``),
-    AUC and final differences (95%), SD ratios of AUC and of steps (95%), censored fractions."""
+    """Method vs baseline on their common seeds (paired; every pair, stopped runs included): relative change of mean
+    steps (interval at ``level``), AUC and final differences (95%), SD ratios of AUC and of steps (95%), censored
+    fractions, stopped runs per arm (``errors``, ``baseline_errors``)."""
     seeds, m, b = _paired_endpoints(method, base)
     ms, bs = [e["steps"] for e in m], [e["steps"] for e in b]
     rel = _relative_steps_statistic(ms, bs)
@@ -146,8 +168,7 @@ def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *,
         return bootstrap(list(range(len(values_m))), statistic=stat, resamples=RESAMPLES, seed=RNG_SEED).as_dict()
 
     index = list(range(len(seeds)))
-    paired = [(x["auc"], y["auc"], x["final"], y["final"]) for x, y in zip(m, b)]
-    usable = [p for p in paired if not any(math.isnan(v) for v in p)]
+    usable = [(x["auc"], y["auc"], x["final"], y["final"]) for x, y in zip(m, b)]
     return {
         "seeds": seeds,
         "mean_steps": statistics.fmean(ms), "baseline_mean_steps": statistics.fmean(bs),
@@ -282,10 +303,11 @@ def analyse_task(runs: Sequence[Mapping], task: str) -> dict:
         cell = cells.get((method, lr_of.get(method, math.nan)))
         if cell is None or base is None:
             continue
-        level = H1_LEVEL if method in H1_METHODS else 0.95
+        in_h1 = method in H1_METHODS and task in H1_TASKS
+        level = H1_LEVEL if in_h1 else 0.95
         c = compare_cells(cell, base, level=level)
         c["lr"], c["baseline_lr"] = lr_of[method], lr_of[BASELINE]
-        if method in H1_METHODS:  # H1 and H2 are claims about OAR; the other rows are exploratory numbers only
+        if in_h1:  # H1 and H2 are claims about OAR; the other rows are exploratory numbers only
             c["h1_verdict"] = h1_verdict(c["relative_steps"])
             c["h2_verdict_auc"] = h2_verdict(c["sd_ratio_auc"])
         comparisons[method] = c
@@ -312,6 +334,106 @@ def _h1_cells(runs: Sequence[Mapping], task: str, analysis: Mapping) -> dict:
     return out
 
 
+def replication_verdict(interval: Mapping) -> str:
+    """R1 and R2's rule: the 95% interval of the relative change lies below 0 (the method is faster), above 0
+    (slower), or covers 0."""
+    low, high = interval["low"], interval["high"]
+    if low is None or high is None:
+        return "inconclusive"
+    return "faster" if high < 0 else "slower" if low > 0 else "inconclusive"
+
+
+def seeds_for_effect(method_steps: Sequence[float], base_steps: Sequence[float], effect: float = POWER_EFFECT) -> dict:
+    """Seeds a relative change of ``effect`` needs at 80% power, two-sided 5%, at the observed spread of the paired
+    differences: n = ceil(((1.960 + 0.842) * sd(d) / (effect * mean(baseline)))^2)."""
+    d = [m - b for m, b in zip(method_steps, base_steps, strict=True)]
+    sd, base = statistics.stdev(d), statistics.fmean(base_steps)
+    n = math.ceil(((Z_TWO_SIDED_95 + Z_POWER_80) * sd / (effect * base)) ** 2)
+    return {"effect": effect, "sd_paired_difference": sd, "baseline_mean_steps": base, "seeds": n}
+
+
+def analyse_replication(runs: Sequence[Mapping], task: str = REPLICATION_TASK) -> dict:
+    """R1 (docs/study.md): each replication method against GRPO on the replication seeds at the task's tuned rates
+    (95%, every pair), with the original evaluation's interval beside it (at the level the study reported it), the
+    pooled estimate over both seed blocks (secondary), and the seeds a 10% effect needs. Empty without runs."""
+    cells = _cells(runs, "replication", task)
+    if not cells:
+        return {}
+    lr_of = {m: t["lr"] for m, t in tune(runs, task).items()}
+    base = cells.get((BASELINE, lr_of[BASELINE]))
+    original = _cells(runs, "eval", task)
+    original_base = original.get((BASELINE, lr_of[BASELINE]))
+    out = {}
+    for method in REPLICATION_METHODS:
+        cell = cells.get((method, lr_of.get(method, math.nan)))
+        if cell is None or base is None:
+            continue
+        seeds, m, b = _paired_endpoints(cell, base)
+        c = compare_cells(cell, base, level=0.95)
+        c.update(lr=lr_of[method], baseline_lr=lr_of[BASELINE], verdict=replication_verdict(c["relative_steps"]),
+                 power=seeds_for_effect([e["steps"] for e in m], [e["steps"] for e in b]))
+        first = original.get((method, lr_of[method]))
+        if first is not None and original_base is not None:
+            if set(first) & set(cell):
+                overlap = sorted(set(first) & set(cell))
+                raise ValueError(f"{task}: the replication's seeds overlap the evaluation's: {overlap}")
+            level = H1_LEVEL if method in H1_METHODS and task in H1_TASKS else 0.95
+            c["original"] = relative_steps(first, original_base, level=level)
+            estimate = c["original"]["estimate"]
+            c["original_inside"] = c["relative_steps"]["low"] <= estimate <= c["relative_steps"]["high"]
+            pooled, pooled_base = {**first, **cell}, {**original_base, **base}
+            c["pooled"] = relative_steps(pooled, pooled_base, level=0.95)
+            c["pooled_seeds"] = len(set(pooled) & set(pooled_base))
+        out[method] = c
+    return out
+
+
+def effect_difference(longer: tuple, shorter: tuple) -> dict:
+    """R2's growth: (relative change of mean steps at the longer task) minus (at the shorter), each a (method cell,
+    GRPO cell) pair; a 95% percentile interval from ``RESAMPLES`` resamples drawing each task's seeds independently
+    (``random.Random(RNG_SEED)``, the longer task first); negative = the gain grows."""
+    import random
+
+    series = []
+    for method_cell, base_cell in (longer, shorter):
+        _, m, b = _paired_endpoints(method_cell, base_cell)
+        series.append(([e["steps"] for e in m], [e["steps"] for e in b]))
+
+    def effect(ms, bs, idx):
+        base = statistics.fmean(bs[i] for i in idx)
+        return (statistics.fmean(ms[i] for i in idx) - base) / base
+
+    (ml, bl), (mshort, bshort) = series
+    estimate = effect(ml, bl, range(len(ml))) - effect(mshort, bshort, range(len(mshort)))
+    rng, diffs = random.Random(RNG_SEED), []
+    for _ in range(RESAMPLES):
+        draws = [[rng.randrange(len(ms)) for _ in ms] for ms, _ in series]
+        diffs.append(effect(ml, bl, draws[0]) - effect(mshort, bshort, draws[1]))
+    diffs.sort()
+    last = len(diffs) - 1
+    low, high = diffs[math.floor(0.025 * last)], diffs[math.ceil(0.975 * last)]
+    verdict = "grows" if high < 0 else "shrinks" if low > 0 else "inconclusive"
+    return {"estimate": estimate, "low": low, "high": high, "level": 0.95, "verdict": verdict}
+
+
+def analyse_growth(runs: Sequence[Mapping], method: str = "oar_g") -> dict:
+    """R2: at ``GROWTH_TASK`` (its own tuned rates, evaluation seeds) the method against tuned GRPO (95%) and the
+    growth of its effect over the replication's fill32 effect. Empty until both exist."""
+    replication = analyse_replication(runs)
+    analysis = analyse_task(runs, GROWTH_TASK) if any(r["task"] == GROWTH_TASK for r in runs) else {}
+    if method not in replication or method not in analysis.get("comparisons", {}):
+        return {}
+    lr_of = {m: t["lr"] for m, t in analysis["tuning"].items()}
+    cells, rep_cells = _cells(runs, "eval", GROWTH_TASK), _cells(runs, "replication", REPLICATION_TASK)
+    c = analysis["comparisons"][method]
+    rep = replication[method]
+    longer = (cells[(method, lr_of[method])], cells[(BASELINE, lr_of[BASELINE])])
+    shorter = (rep_cells[(method, rep["lr"])], rep_cells[(BASELINE, rep["baseline_lr"])])
+    effect = c["relative_steps_95"]
+    return {"task": GROWTH_TASK, "effect": effect, "verdict": replication_verdict(effect),
+            "growth": effect_difference(longer, shorter)}
+
+
 _ANALYSED: dict[str, dict] = {}
 
 
@@ -329,12 +451,3 @@ def analyse_h5(results: Mapping) -> dict:
     """H5 across the tasks of ``results`` (empty until two tasks have evaluation comparisons)."""
     per_task = analyse(results)
     return h5_slopes({t: _h1_cells(results["runs"], t, a) for t, a in per_task.items()})
-
-
-def _nanmean(values: Sequence[float]) -> float:
-    kept = [v for v in values if not math.isnan(v)]
-    return statistics.fmean(kept) if kept else math.nan
-
-
-def _or(value: float, default: float) -> float:
-    return default if math.isnan(value) else value

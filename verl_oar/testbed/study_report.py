@@ -9,6 +9,8 @@ step on the evaluation seeds, each method at its tuned rate, with a 95% bootstra
 two or more tasks have evaluation results, ``effect_vs_filler.png`` (H1's relative change against filler words per
 gap, Bonferroni intervals). ``TASK_spread.png`` shows the across-seed spread: every evaluation seed's steps to
 threshold and held-out AUC per method at its tuned rate (the SD ratios with intervals are in the evaluation table).
+Once the confirmatory replication has runs: its table (and ``replication_fill32_curves.png``), and once fill64's
+evaluation exists, R2's table. Stopped runs are drawn and counted: their reward after the stop counts 0.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def _ratio(iv: dict) -> str:
 
 def tuning_table(task: str, tuning: dict) -> str:
     rates = sorted({lr for t in tuning.values() for lr in t["grid"]}, key=float)
-    lines = [f"Tuning, {task} (seeds {_seed_span(tuning)}; mean steps to threshold, censored runs in brackets, "
-             "mean held-out AUC of the finished runs; * = chosen)", "",
+    lines = [f"Tuning, {task} (seeds {_seed_span(tuning)}; mean steps to threshold, censored runs in brackets "
+             "(of which stopped by a guard or an error, after s), mean held-out AUC of every run (a stopped run counts "
+             "0 after its stop); * = chosen)", "",
              "| method | " + " | ".join(f"lr {r}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
     for method in _order(tuning):
         cells = []
@@ -62,8 +65,8 @@ def tuning_table(task: str, tuning: dict) -> str:
                 cells.append("-")
                 continue
             star = "*" if float(r) == tuning[method]["lr"] else ""
-            auc = "-" if math.isnan(g["mean_auc"]) else f"{g['mean_auc']:.3f}"  # "-": every run of the cell crashed
-            cells.append(f"{g['mean_steps']:.1f} ({g['censored']}) / {auc}{star}")
+            stopped = f", {g['stopped']} s" if g["stopped"] else ""
+            cells.append(f"{g['mean_steps']:.1f} ({g['censored']}{stopped}) / {g['mean_auc']:.3f}{star}")
         lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -71,10 +74,12 @@ def tuning_table(task: str, tuning: dict) -> str:
 def eval_table(task: str, result: dict) -> str:
     comps = result.get("comparisons", {})
     lines = [f"Evaluation, {task} ({result['eval_steps']} steps; each method at its tuned rate against GRPO at its "
-             "tuned rate, paired over seeds)", "",
+             "tuned rate, paired over seeds; every pair counted: a stopped run is censored and scores 0 after its "
+             "stop)", "",
              "| method (lr) | mean steps (GRPO) | relative change of steps [interval] | H1 | AUC diff [95%] | "
-             "final diff [95%] | SD ratio, AUC [95%] | H2 | SD ratio, steps [95%] | censored (GRPO) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "final diff [95%] | SD ratio, AUC [95%] | H2 | SD ratio, steps [95%] | censored (GRPO) | "
+             "stopped (GRPO) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     most = max((len(c["seeds"]) for c in comps.values()), default=0)
     for method in _order(comps):
         c = comps[method]
@@ -85,7 +90,8 @@ def eval_table(task: str, result: dict) -> str:
             f"{_iv(c['relative_steps'], pct=True)} ({100 * level:.2f}%) | {c.get('h1_verdict', '-')} | "
             f"{_iv(c['auc_diff'], digits=3)} | {_iv(c['final_diff'], digits=3)} | {_ratio(c['sd_ratio_auc'])} | "
             f"{c.get('h2_verdict_auc', '-')} | {_ratio(c['sd_ratio_steps'])} | "
-            f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) |")
+            f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) | "
+            f"{c['errors']} ({c['baseline_errors']}) |")
     return "\n".join(lines)
 
 
@@ -125,6 +131,42 @@ def h5_table(h5: dict) -> str:
     return "\n".join(lines)
 
 
+def replication_table(rep: dict) -> str:
+    """R1: each replication method against GRPO on the fresh seeds, the original evaluation and the pooled estimate."""
+    first = next(iter(rep.values()))
+    lines = [f"Replication, {sa.REPLICATION_TASK} (seeds {first['seeds'][0]}-{first['seeds'][-1]}, {len(first['seeds'])} "
+             f"seeds, 32 steps; each method at its tuned rate against GRPO at its tuned rate, paired, every pair "
+             "counted; 95%)", "",
+             "| method (lr) | mean steps (GRPO) | relative change of steps [95%] | verdict | original (20 seeds) "
+             "[its interval] | original inside | pooled [95%] | seeds for a 10% effect | AUC diff [95%] | "
+             "final diff [95%] | censored (GRPO) | stopped (GRPO) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method in _order(rep):
+        c = rep[method]
+        original = (f"{_iv(c['original'], pct=True)} ({100 * c['original']['level']:.2f}%)" if "original" in c
+                    else "-")
+        pooled = f"{_iv(c['pooled'], pct=True)} ({c['pooled_seeds']} seeds)" if "pooled" in c else "-"
+        inside = "-" if "original_inside" not in c else "yes" if c["original_inside"] else "no"
+        lines.append(
+            f"| {_label(method)} ({c['lr']:g}) | {c['mean_steps']:.2f} ({c['baseline_mean_steps']:.2f}) | "
+            f"{_iv(c['relative_steps'], pct=True)} | {c['verdict']} | {original} | {inside} | {pooled} | "
+            f"{c['power']['seeds']} | {_iv(c['auc_diff'], digits=3)} | {_iv(c['final_diff'], digits=3)} | "
+            f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) | "
+            f"{c['errors']} ({c['baseline_errors']}) |")
+    return "\n".join(lines)
+
+
+def growth_table(growth: dict) -> str:
+    """R2: OAR-G at the longer task against its tuned GRPO, and the change of the effect from fill32's replication."""
+    return "\n".join([
+        f"R2, {growth['task']}: OAR-G against tuned GRPO (95%) and the growth of the effect over the fill32 "
+        "replication's (each task's seeds resampled independently; negative = the gain grows)", "",
+        "| relative change of steps [95%] | verdict | fill64 minus fill32 replication [95%] | growth |",
+        "|---|---|---|---|",
+        f"| {_iv(growth['effect'], pct=True)} | {growth['verdict']} | {_iv(growth['growth'], pct=True)} | "
+        f"{growth['growth']['verdict']} |"])
+
+
 def tables(results: dict) -> str:
     analysis = sa.analyse(results)
     parts = []
@@ -141,6 +183,12 @@ def tables(results: dict) -> str:
     h5 = sa.analyse_h5(results)
     if h5:
         parts.append(h5_table(h5))
+    replication = sa.analyse_replication(results["runs"])
+    if replication:
+        parts.append(replication_table(replication))
+    growth = sa.analyse_growth(results["runs"])
+    if growth:
+        parts.append(growth_table(growth))
     return "\n\n".join(parts) + "\n"
 
 
@@ -173,28 +221,39 @@ def _mean_band(curves: list[list[float]], resamples: int = 2000, seed: int = 0):
     return values.mean(axis=0), np.quantile(means, 0.025, axis=0), np.quantile(means, 0.975, axis=0)
 
 
-def _eval_runs(results: dict, task: str, method: str, lr: float) -> list[dict]:
-    """The evaluation runs of one (task, method, rate) cell, crashed ones included."""
-    return [r for r in results["runs"] if r["phase"] == "eval" and r["task"] == task and r["method"] == method
+def _eval_runs(results: dict, task: str, method: str, lr: float, phase: str = "eval") -> list[dict]:
+    """The runs of one (phase, task, method, rate) cell, stopped ones included."""
+    return [r for r in results["runs"] if r["phase"] == phase and r["task"] == task and r["method"] == method
             and r["lr"] == lr]
 
 
-def plot_curves(results: dict, task: str, analysis: dict, path: Path) -> None:
+def reward_curve(run: dict) -> list[float]:
+    """A run's training reward per step over its planned length; a stopped run's steps after its stop count 0 (the
+    rule the tables apply to its held-out points), so that no run leaves the mean."""
+    recorded = list(run.get("reward", []))
+    return recorded + [0.0] * (int(run["steps"]) - len(recorded))
+
+
+def plot_curves(results: dict, task: str, analysis: dict, path: Path, phase: str = "eval") -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in _order(analysis["tuning"]):
         lr = analysis["tuning"][method]["lr"]
-        curves = [r["reward"] for r in _eval_runs(results, task, method, lr) if "error" not in r]
-        if not curves:
+        runs = _eval_runs(results, task, method, lr, phase)
+        if not runs:
             continue
+        curves = [reward_curve(r) for r in runs]
+        stopped = sum("error" in r for r in runs)
         steps = range(1, len(curves[0]) + 1)
         mean, low, high = _mean_band(curves)
-        ax.plot(steps, mean, label=f"{_label(method)} (lr {lr:g}, {len(curves)} seeds)")
+        note = f", {stopped} stopped: 0 after the stop" if stopped else ""
+        ax.plot(steps, mean, label=f"{_label(method)} (lr {lr:g}, {len(curves)} seeds{note})")
         ax.fill_between(steps, low, high, alpha=0.2)
     ax.axhline(sa.THRESHOLD, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("training step")
     ax.set_ylabel("training reward (accuracy of the step's 64 samples)")
-    ax.set_title(f"pick_max {task}: mean over evaluation seeds, 95% band")
+    ax.set_title(f"pick_max {task}: mean over {'replication' if phase == 'replication' else 'evaluation'} seeds, "
+                 "95% band")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -214,9 +273,7 @@ def plot_spread(results: dict, task: str, analysis: dict, path: Path) -> None:
         lr = analysis["tuning"][method]["lr"]
         ends = [sa.run_endpoints(r, int(r["steps"])) for r in _eval_runs(results, task, method, lr)]
         for ax, key in zip(axes, ("steps", "auc")):
-            values = [(e[key], e["censored"]) for e in ends if not math.isnan(e[key])]
-            if not values:
-                continue
+            values = [(e[key], e["censored"]) for e in ends]
             x = i + jitter.uniform(-0.15, 0.15, size=len(values))
             y = np.array([v for v, _ in values])
             hollow = np.array([c for _, c in values])
@@ -294,6 +351,10 @@ def figures(results: dict, out: Path) -> list[Path]:
             plot_curves(results, task, result, out / f"{task}_curves.png")
             plot_spread(results, task, result, out / f"{task}_spread.png")
             written += [out / f"{task}_curves.png", out / f"{task}_spread.png"]
+    if sa.analyse_replication(results["runs"]):
+        task = sa.REPLICATION_TASK
+        plot_curves(results, task, analysis[task], out / f"replication_{task}_curves.png", phase="replication")
+        written.append(out / f"replication_{task}_curves.png")
     if plot_effect_vs_filler(analysis, out / "effect_vs_filler.png"):
         written.append(out / "effect_vs_filler.png")
     return written
