@@ -25,7 +25,8 @@ runner is deterministic). ``store`` adds finished runs of the scratch directory 
 A method the fast runner does not carry (CSCR, OPPO, ACPO, CoDaPO, OAR-G x CoDaPO: docs/study.md runs them at the
 longest task through main_ppo with fewer seeds) trains through ``python -m verl.trainer.main_ppo`` instead, with
 the same testbed settings (``testbed.training_runs``, as the demo runs it), one run at a time in a Ray cluster this
-process starts; its store line says ``"runner": "main_ppo"``.
+process starts; its store line says ``"runner": "main_ppo"``. ``grpo_main_ppo`` is GRPO trained that way: their
+same-runner control (``--methods grpo_main_ppo@1e-3 --seeds 2000-2004``).
 
 ``status`` counts the stored runs per phase, task, method and rate (crashed ones apart). ``plan`` applies
 docs/study.md's rules to a task's stored tuning runs (each method's rate, the evaluation length) and prints the
@@ -54,7 +55,13 @@ TUNING_SEEDS, EVAL_SEEDS, OTHER_SEEDS = "1000-1004", "2000-2019", "2000-2004"
 """docs/study.md's seeds: tuning; evaluation; the methods only main_ppo carries (fewer seeds, the plan says)"""
 REPLICATION_SEEDS = "4000-4039"
 """the confirmatory replication's fresh block (docs/study.md, pre-registered 2026-12-06): phase ``replication``"""
-PHASES = ("tuning", "eval", "replication")
+RUNNER_SEEDS = "7000-7009"
+"""phase ``runners``: each fast-runner method beside its main_ppo twin on seeds nothing else uses"""
+PHASES = ("tuning", "eval", "replication", "runners")
+SAME_RUNNER_CONTROL = {"grpo_main_ppo": "grpo", "oar_g_main_ppo": "oar_g"}
+"""study method -> the testbed method it trains through main_ppo: GRPO's is the control for the methods only main_ppo
+carries (docs/study.md, "Same-runner control"), on their seeds and rate; both are the fast runner's twins in phase
+``runners`` (the runners compared over whole runs)"""
 LONGEST = "fill32"
 """the task where the ablations, tau and the other registered methods run"""
 
@@ -202,7 +209,8 @@ class MainPPORoute:
             self.cluster = SharedRayCluster(out / "ray_cluster.log")
             os.environ.update(self.cluster.env)  # the runs' overrides and environments join this cluster
         val_file = write_val_subset(self._bed, settings.val_prompts, out / f"val_{settings.val_prompts}.parquet")
-        [one] = make_runs(self._bed, [method], [seed], settings, neutral_id=neutral_token_id(self._bed),
+        trained = SAME_RUNNER_CONTROL.get(method, method)
+        [one] = make_runs(self._bed, [trained], [seed], settings, neutral_id=neutral_token_id(self._bed),
                           out_dir=out / f"lr{settings.lr:g}", val_file=val_file)
         one.cmd = [*one.cmd, f"trainer.default_local_dir={out / 'checkpoints' / f'{method}_seed{seed}'}"]
         run_all([one], total_steps=settings.steps, log=log)
@@ -224,7 +232,7 @@ def preflight(task: str, main_ppo_methods: list[str]) -> None:
 
     bed = load_bed(testbed_dir(task))
     for name in main_ppo_methods:
-        method_entry(name).algorithm(0, 0, bed)
+        method_entry(SAME_RUNNER_CONTROL.get(name, name)).algorithm(0, 0, bed)
 
 
 def runner_of(method: str) -> str:
@@ -232,6 +240,8 @@ def runner_of(method: str) -> str:
     from verl_oar.testbed.fast_runner import METHODS
     from verl_oar.testbed.methods import METHODS as TESTBED_METHODS
 
+    if method in SAME_RUNNER_CONTROL:
+        return "main_ppo"
     if method in METHODS:
         return "fast"
     if method in TESTBED_METHODS:
@@ -245,12 +255,13 @@ def testbed_dir(task: str) -> Path | None:
     return None if variant is None else ROOT / "verl_oar" / "testbed" / "variants" / variant
 
 
-def refuse_seen_seeds(seeds: list[int], stored: list[dict], task: str) -> None:
-    """A replication runs only on seeds that no other phase of the task has used (docs/study.md)."""
-    seen = sorted({e["seed"] for e in stored if e["task"] == task and e["phase"] != "replication"} & set(seeds))
+def refuse_seen_seeds(seeds: list[int], stored: list[dict], task: str, phase: str = "replication") -> None:
+    """A replication (or the runners' comparison) runs only on seeds no other phase of the task has used."""
+    seen = sorted({e["seed"] for e in stored if e["task"] == task and e["phase"] != phase} & set(seeds))
     if seen:
-        raise SystemExit(f"study.py: seeds {seen} were already used by {task}'s tuning or evaluation; a replication "
-                         f"needs fresh seeds (docs/study.md's block is {REPLICATION_SEEDS})")
+        block = REPLICATION_SEEDS if phase == "replication" else RUNNER_SEEDS
+        raise SystemExit(f"study.py: seeds {seen} were already used by another phase of {task}; phase {phase} needs "
+                         f"fresh seeds (docs/study.md's block is {block})")
 
 
 def cmd_run(args) -> int:
@@ -270,8 +281,8 @@ def cmd_run(args) -> int:
         sys.exit(f"study.py: unknown task {args.task!r}; one of {', '.join(TASKS)}")
     preflight(args.task, [m for m, runner in runners.items() if runner == "main_ppo"])
     seeds = parse_seeds(args.seeds)
-    if args.phase == "replication":
-        refuse_seen_seeds(seeds, read_store(Path(args.store)), args.task)
+    if args.phase in ("replication", "runners"):
+        refuse_seen_seeds(seeds, read_store(Path(args.store)), args.task, args.phase)
     grid = [(m, lr, s) for s in seeds for m, lr in cells]
     index, count = (int(x) for x in args.shard.split("/"))
     mine = grid[index::count]
@@ -428,6 +439,8 @@ def planned_seeds(phase: str, method: str) -> list[int]:
         return parse_seeds(TUNING_SEEDS)
     if phase == "replication":
         return parse_seeds(REPLICATION_SEEDS)
+    if phase == "runners":
+        return parse_seeds(RUNNER_SEEDS)
     return parse_seeds(OTHER_SEEDS if sa.RATE_FROM.get(method) == sa.BASELINE else EVAL_SEEDS)
 
 

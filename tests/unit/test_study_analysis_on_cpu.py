@@ -302,3 +302,33 @@ def test_growth_resamples_each_task_independently_and_reads_the_sign():
     assert sa.effect_difference(shorter, longer)["verdict"] == "shrinks"
     same = sa.effect_difference(shorter, shorter)
     assert same["estimate"] == 0.0 and same["verdict"] == "inconclusive" and same["low"] < 0 < same["high"]
+
+
+def test_main_ppo_methods_are_compared_with_grpo_through_main_ppo_when_it_ran_and_flagged_otherwise():
+    runs = _tuned("fill32")
+    for seed in range(2000, 2005):
+        runs += [_run("eval", "fill32", "grpo", 0.002, seed, 10), _run("eval", "fill32", "cscr", 0.002, seed, 12)]
+    alone = sa.analyse_task(runs, "fill32")["comparisons"]["cscr"]
+    assert alone["same_runner"] is False and alone["baseline"] == "grpo" and alone["baseline_mean_steps"] == 10
+    runs += [_run("eval", "fill32", "grpo_main_ppo", 0.002, seed, 11) for seed in range(2000, 2005)]
+    comps = sa.analyse_task(runs, "fill32")["comparisons"]
+    assert comps["cscr"]["same_runner"] is True and comps["cscr"]["baseline"] == "grpo_main_ppo"
+    assert comps["cscr"]["baseline_mean_steps"] == 11 and comps["cscr"]["relative_steps"]["estimate"] == 1 / 11
+    # the control itself is compared with the fast runner's GRPO: the two runners on the same seeds
+    assert comps["grpo_main_ppo"]["baseline"] == "grpo" and comps["grpo_main_ppo"]["mean_steps"] == 11
+
+
+def test_runners_phase_compares_each_method_with_its_main_ppo_twin_on_the_same_seeds():
+    runs = _tuned("fill32")
+    for seed in range(7000, 7006):
+        runs += [_run("runners", "fill32", "grpo", 0.002, seed, 10 + seed % 2),
+                 _run("runners", "fill32", "grpo_main_ppo", 0.002, seed, 10 + seed % 3),
+                 _run("runners", "fill32", "oar_g", 0.002, seed, 9)]
+    out = sa.analyse_runners(runs)
+    assert set(out) == {"grpo"}  # OAR-G has no main_ppo twin here
+    c = out["grpo"]
+    fast, twin = [10 + s % 2 for s in range(7000, 7006)], [10 + s % 3 for s in range(7000, 7006)]
+    assert c["seeds"] == list(range(7000, 7006)) and c["lr"] == 0.002
+    assert c["steps_difference"]["estimate"] == pytest.approx((sum(twin) - sum(fast)) / 6)
+    assert c["relative_steps"]["estimate"] == pytest.approx((sum(twin) - sum(fast)) / sum(fast))
+    assert sa.analyse_runners(_tuned("fill32")) == {}

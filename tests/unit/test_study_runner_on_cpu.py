@@ -174,6 +174,10 @@ def test_methods_the_fast_runner_lacks_train_through_main_ppo(study):
         ("grpo", "oar_g", "oar_p", "oar_p_chunk16", "oar_g_tau0.25"), "fast")
     others = {m for m in TESTBED_METHODS if study.runner_of(m) == "main_ppo"}
     assert others == {"cscr", "oppo", "oppo_teacher", "acpo", "codapo", "oar_g_codapo"}
+    # their same-runner control: GRPO through main_ppo, stored under its own name beside the fast runner's GRPO
+    assert study.SAME_RUNNER_CONTROL == {"grpo_main_ppo": "grpo", "oar_g_main_ppo": "oar_g"}
+    assert {study.runner_of(m) for m in study.SAME_RUNNER_CONTROL} == {"main_ppo"}
+    assert study.planned_seeds("eval", "grpo_main_ppo") == study.parse_seeds(study.OTHER_SEEDS)
 
 
 def test_a_main_ppo_method_missing_its_teacher_stops_before_any_run(study, tmp_path):
@@ -251,3 +255,16 @@ def test_a_run_killed_from_outside_is_not_stored(study, tmp_path):
     assert study.train_one(args, Route(RuntimeError("boom")), "main_ppo", "cscr", 1e-3, 7, set(), {"cpu": "CPU"}, None)
     [stored] = study.read_store(tmp_path / "store", "eval", "fill32")
     assert "boom" in stored["error"] and stored["runner"] == "main_ppo"
+
+
+def test_a_replication_or_runners_phase_refuses_seeds_another_phase_used(study, tmp_path):
+    stored = [{"phase": "eval", "task": "fill32", "method": "grpo", "lr": 0.001, "seed": 2003},
+              {"phase": "replication", "task": "fill32", "method": "grpo", "lr": 0.001, "seed": 4000},
+              {"phase": "eval", "task": "fill8", "method": "grpo", "lr": 0.001, "seed": 4001}]
+    study.refuse_seen_seeds([4000, 4001], stored, "fill32")  # its own phase, another task: fine
+    with pytest.raises(SystemExit, match=r"seeds \[2003\].*4000-4039"):
+        study.refuse_seen_seeds([2003, 4002], stored, "fill32")
+    with pytest.raises(SystemExit, match=r"seeds \[4000\].*7000-7009"):
+        study.refuse_seen_seeds([4000], stored, "fill32", "runners")
+    assert study.planned_seeds("runners", "grpo_main_ppo") == list(range(7000, 7010))
+    assert study.planned_seeds("replication", "oar_g") == list(range(4000, 4040))

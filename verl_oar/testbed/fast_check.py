@@ -2,19 +2,23 @@
 
     python -m verl_oar.testbed.fast_check make-fixture tests/fixtures/fast_runner   # main_ppo, minutes
     python -m verl_oar.testbed.fast_check replay tests/fixtures/fast_runner          # the runner's pass, JSON
+    python -m verl_oar.testbed.fast_check make-fixture DIR --testbed verl_oar/testbed/variants/fill32 \
+        --methods grpo,oar_g                                                          # another testbed
 
-``make-fixture`` trains the committed start one step with ``python -m verl.trainer.main_ppo`` for ``grpo``,
-``oar_g`` and ``oar_p`` (seed 0, the testbed's settings: 8 prompts x 8 responses, one PPO mini-batch; the
-``training_runs`` machinery, one Ray cluster) with the token methods dumping their step (``algorithm.oar.dump_dir``),
-and keeps, per method, the metric file (step 0 validation and step 1) and the step-1 dump (prompts, responses,
-masks, importance, GRPO and OAR advantages, weights; rows in the order the actor trained on them).
+``make-fixture`` trains a testbed (default: the committed start) one step with ``python -m verl.trainer.main_ppo``
+for each method (default ``grpo``, ``oar_g`` and ``oar_p``; seed 0, the testbed's settings: 8 prompts x 8
+responses, one PPO mini-batch; the ``training_runs`` machinery, one Ray cluster) with the token methods dumping
+their step (``algorithm.oar.dump_dir``), and keeps, per method, the metric file (step 0 validation and step 1) and
+the step-1 dump (prompts, responses, masks, importance, GRPO and OAR advantages, weights; rows in the order the
+actor trained on them). ``fixture.json`` names the testbed, methods, seed and machine (with ``cpu_id``).
 
-``replay`` (a process of its own: it builds verl's actor worker on a one-rank process group) feeds each dump's
-rows, in the dump's order, to the runner's ``FastTrainer.train_on`` from the committed start's weights, with the
-rewards the runner's reward gives them, and reports per method: the importance fields against the dump, the
-advantages against the dump, and ``actor/pg_loss``, ``actor/grad_norm``, ``actor/entropy`` against main_ppo's
-step-1 metrics. GRPO's run dumps nothing: its step is replayed on the OAR-G dump's rows (the same step-1 rollouts,
-in the order OAR-G's run trained them, which differs from GRPO's run's order: float rounding in the sums).
+``replay`` (a process of its own: it builds verl's actor worker on a one-rank process group) samples the runner's
+own step-1 rollouts and compares them with the dump's, then feeds each dump's rows, in the dump's order, to the
+runner's ``FastTrainer.train_on`` from the testbed's start weights, with the rewards the runner's reward gives
+them, and reports per method: the importance fields against the dump, the advantages against the dump, and
+``actor/pg_loss``, ``actor/grad_norm``, ``actor/entropy`` against main_ppo's step-1 metrics. GRPO's run dumps
+nothing: its step is replayed on the OAR-G dump's rows (the same step-1 rollouts, in the order OAR-G's run trained
+them, which differs from GRPO's run's order: float rounding in the sums).
 """
 
 from __future__ import annotations
@@ -38,28 +42,35 @@ def fixture_settings():
     return RunSettings(steps=1, val_every=0)
 
 
-def make_fixture(out_dir: str | Path) -> Path:
-    """Run main_ppo one step per method (module docstring) and copy what the checks read into ``out_dir``."""
-    from verl_oar.cpu.ray_cluster import SharedRayCluster
+def make_fixture(out_dir: str | Path, testbed: str | Path | None = None,
+                 methods: tuple[str, ...] = FIXTURE_METHODS) -> Path:
+    """Run main_ppo one step per method on ``testbed`` (None: the committed start; module docstring) and copy what
+    the checks read into ``out_dir``. ``methods`` must include ``oar_g`` when it includes ``grpo`` (GRPO is replayed
+    on OAR-G's dump)."""
+    from verl_oar.cpu.ray_cluster import RAY_ADDRESS_ENV, SharedRayCluster
     from verl_oar.testbed.demo import write_val_subset
-    from verl_oar.testbed.fast_runner import neutral_token_id
+    from verl_oar.testbed.fast_runner import load_bed, neutral_token_id
     from verl_oar.testbed.machine import cpu_id, machine_info
     from verl_oar.testbed.training_runs import make_runs, run_all
-    from verl_oar.testbed.workspace import committed_testbed, copy_testbed
+    from verl_oar.testbed.workspace import copy_testbed
+
+    if "grpo" in methods and "oar_g" not in methods:
+        raise ValueError("fast_check: GRPO's step is replayed on OAR-G's dump: add oar_g to the methods")
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     settings = fixture_settings()
     with tempfile.TemporaryDirectory(prefix="fast_fixture_") as tmp:
         tmp = Path(tmp)
-        source = committed_testbed()
+        source = load_bed(testbed)
         bed = copy_testbed(source, tmp / "testbed")
         val_file = write_val_subset(bed, settings.val_prompts, tmp / "data" / "val_subset.parquet")
-        cluster = SharedRayCluster(tmp / "ray_cluster.log")
-        saved = {k: os.environ.get(k) for k in cluster.env}
+        # a caller's cluster (a test session's) is joined as it is; otherwise one is started for these runs
+        cluster = None if os.environ.get(RAY_ADDRESS_ENV) else SharedRayCluster(tmp / "ray_cluster.log")
+        saved = {k: os.environ.get(k) for k in (cluster.env if cluster is not None else {})}
         try:
-            os.environ.update(cluster.env)
-            runs = make_runs(bed, FIXTURE_METHODS, [SEED], settings, neutral_id=neutral_token_id(bed), out_dir=tmp,
+            os.environ.update(cluster.env if cluster is not None else {})
+            runs = make_runs(bed, list(methods), [SEED], settings, neutral_id=neutral_token_id(bed), out_dir=tmp,
                              val_file=val_file)
             run_all(runs, total_steps=settings.steps, log=print)
         finally:
@@ -68,14 +79,17 @@ def make_fixture(out_dir: str | Path) -> Path:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-            cluster.stop()
+            if cluster is not None:
+                cluster.stop()
         for run in runs:
             shutil.copyfile(run.metrics_path, out / f"{run.method}_metrics.jsonl")
             if run.dump_dir is not None:
                 shutil.copyfile(run.dump_dir / "step_1.pt", out / f"{run.method}_step_1.pt")
     (out / "fixture.json").write_text(json.dumps({
-        "command": "python -m verl_oar.testbed.fast_check make-fixture " + str(out_dir),
-        "methods": list(FIXTURE_METHODS), "seed": SEED, "settings": vars(settings),
+        "command": "python -m verl_oar.testbed.fast_check make-fixture " + str(out_dir)
+        + (f" --testbed {testbed} --methods {','.join(methods)}" if testbed is not None else ""),
+        "testbed": None if testbed is None else str(Path(testbed).resolve()),
+        "methods": list(methods), "seed": SEED, "settings": vars(settings),
         "testbed_fingerprint": source.manifest["fingerprint"], "machine": {**machine_info(), "cpu_id": cpu_id()},
     }, indent=2) + "\n")
     return out
@@ -114,21 +128,30 @@ def replay(fixture: str | Path) -> dict:
     from verl_oar.testbed.fast_step import FastTrainer
     from verl_oar.testbed.training_runs import read_records
 
+    from collections import Counter
+
     fixture = Path(fixture).resolve()
-    bed = load_bed(None)
+    info = json.loads((fixture / "fixture.json").read_text())
+    bed = load_bed(info.get("testbed"))
     settings = fixture_settings()
     report = {}
-    for method in FIXTURE_METHODS:
+    for method in info["methods"]:
         dump = torch.load(fixture / f"{method if method != 'grpo' else 'oar_g'}_step_1.pt", weights_only=False)
         logged = next(r["data"] for r in read_records(fixture / f"{method}_metrics.jsonl") if r["step"] == 1)
         config = compose_config(overrides_of(bed, method, SEED, settings, val_file=bed.val_file))
         trainer = FastTrainer(config)
         rows = Batches(config, trainer.rollout.tokenizer, trainer.rollout.model_config.processor).train()
+        trainer.sync_weights(0)  # on_init_end, as the runner's loop
+        ours = trainer.rollout.rollout(rows, [f"s1p{i}" for i in range(len(rows))], validate=False)
+        lengths = dump["response_mask"].sum(-1).tolist()
+        theirs = Counter((tuple(int(x) for x in prompt), tuple(dump["responses"][b, :n].tolist()))
+                         for b, (prompt, n) in enumerate(zip(dump["prompts"], lengths)))
+        rollouts_identical = Counter((tuple(s.prompt_ids), tuple(s.response_ids)) for s in ours) == theirs
         samples = dump_samples(dump, rows, trainer.rollout)
         metrics = trainer.train_on(1, samples, sync=False)
         signals = trainer.last_signals
         entry = {
-            "rows": len(samples),
+            "rows": len(samples), "rollouts_identical": rollouts_identical,
             "score_mean": metrics["critic/score/mean"], "logged_score_mean": logged["critic/score/mean"],
             "advantages_identical": method == "grpo"
             or bool(torch.equal(trainer.last_batch["advantages"], dump["advantages"])),
@@ -152,11 +175,21 @@ def replay(fixture: str | Path) -> dict:
     return report
 
 
-if __name__ == "__main__":
-    command, target = sys.argv[1], sys.argv[2]
-    if command == "make-fixture":
-        print(make_fixture(target))
-    elif command == "replay":
-        print("REPLAY " + json.dumps(replay(target)), flush=True)
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=("make-fixture", "replay"))
+    p.add_argument("dir")
+    p.add_argument("--testbed", default=None, help="make-fixture: a testbed folder (default: the committed start)")
+    p.add_argument("--methods", default=",".join(FIXTURE_METHODS), help="make-fixture: comma-separated")
+    args = p.parse_args(argv)
+    if args.command == "make-fixture":
+        print(make_fixture(args.dir, args.testbed, tuple(m for m in args.methods.split(",") if m)))
     else:
-        raise SystemExit(f"usage: python -m verl_oar.testbed.fast_check make-fixture|replay DIR (got {command!r})")
+        print("REPLAY " + json.dumps(replay(args.dir)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,8 +47,14 @@ ABLATIONS = ("oar_g_no_amplify", "oar_g_no_suppress", "oar_g_no_preserve_mass")
 """H3: OAR-G without one part each"""
 TAUS = {"oar_g_tau0.25": 0.25, "oar_g_tau0.75": 0.75}
 """H4: OAR-G at the other quantile levels (its default run is tau 0.5)"""
+MAIN_PPO_ONLY = ("cscr", "oppo", "oppo_teacher", "acpo", "codapo", "oar_g_codapo")
+"""the registered methods the fast runner does not carry: evaluated through main_ppo on 5 seeds at GRPO's rate"""
+MAIN_PPO_CONTROL = "grpo_main_ppo"
+"""GRPO through main_ppo on those seeds: their same-runner control (docs/study.md, "Same-runner control")"""
+MAIN_PPO_TWINS = {"grpo": MAIN_PPO_CONTROL, "oar_g": "oar_g_main_ppo"}
+"""phase ``runners``: a fast-runner method -> the same method through main_ppo, on the same seeds"""
 RATE_FROM = {**dict.fromkeys((*ABLATIONS, *TAUS), "oar_g"),
-             **dict.fromkeys(("cscr", "oppo", "oppo_teacher", "acpo", "codapo", "oar_g_codapo"), BASELINE)}
+             **dict.fromkeys((*MAIN_PPO_ONLY, MAIN_PPO_CONTROL), BASELINE), "oar_g_main_ppo": "oar_g"}
 """a method evaluated without tuning runs -> the method whose tuned rate it runs at (docs/study.md)"""
 FULL = "oar_g"
 """the full method H3's ablations and H4's tau variants are compared with"""
@@ -299,14 +305,20 @@ def analyse_task(runs: Sequence[Mapping], task: str) -> dict:
     base = cells.get((BASELINE, lr_of[BASELINE]))
     full = cells.get((FULL, lr_of.get(FULL, math.nan)))
     comparisons, step_size, variants = {}, {}, {}
+    control = cells.get((MAIN_PPO_CONTROL, lr_of.get(MAIN_PPO_CONTROL, math.nan)))
     for method in sorted({m for m, _ in cells} - {BASELINE}):
         cell = cells.get((method, lr_of.get(method, math.nan)))
         if cell is None or base is None:
             continue
         in_h1 = method in H1_METHODS and task in H1_TASKS
         level = H1_LEVEL if in_h1 else 0.95
-        c = compare_cells(cell, base, level=level)
+        # the main_ppo-only methods against GRPO through main_ppo when that control exists; else against the fast
+        # runner's GRPO, flagged: two runners, not comparable
+        same_runner = method not in MAIN_PPO_ONLY or control is not None
+        c = compare_cells(cell, control if method in MAIN_PPO_ONLY and control is not None else base, level=level)
         c["lr"], c["baseline_lr"] = lr_of[method], lr_of[BASELINE]
+        c["baseline"] = MAIN_PPO_CONTROL if method in MAIN_PPO_ONLY and control is not None else BASELINE
+        c["same_runner"] = same_runner
         if in_h1:  # H1 and H2 are claims about OAR; the other rows are exploratory numbers only
             c["h1_verdict"] = h1_verdict(c["relative_steps"])
             c["h2_verdict_auc"] = h2_verdict(c["sd_ratio_auc"])
@@ -432,6 +444,26 @@ def analyse_growth(runs: Sequence[Mapping], method: str = "oar_g") -> dict:
     effect = c["relative_steps_95"]
     return {"task": GROWTH_TASK, "effect": effect, "verdict": replication_verdict(effect),
             "growth": effect_difference(longer, shorter)}
+
+
+def analyse_runners(runs: Sequence[Mapping], task: str = REPLICATION_TASK) -> dict:
+    """Phase ``runners``: per fast-runner method, its main_ppo twin's steps to threshold against the fast runner's on
+    the same seeds (relative change of mean steps, 95% paired bootstrap; the paired steps difference too), at the
+    task's tuned rate. Empty without runs."""
+    cells = _cells(runs, "runners", task)
+    if not cells:
+        return {}
+    lr_of = {m: t["lr"] for m, t in tune(runs, task).items()}
+    out = {}
+    for fast, twin in MAIN_PPO_TWINS.items():
+        lr = lr_of.get(fast, math.nan)
+        if (fast, lr) not in cells or (twin, lr) not in cells:
+            continue
+        c = compare_cells(cells[(twin, lr)], cells[(fast, lr)], level=0.95)
+        c["steps_difference"] = steps_difference(cells[(twin, lr)], cells[(fast, lr)])
+        c["lr"] = lr
+        out[fast] = c
+    return out
 
 
 _ANALYSED: dict[str, dict] = {}

@@ -28,7 +28,8 @@ LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P exact", "oar_p_chunk
           "oar_g_no_amplify": "OAR-G without amplification", "oar_g_no_suppress": "OAR-G without suppression",
           "oar_g_no_preserve_mass": "OAR-G without mass preservation", "oar_g_tau0.25": "OAR-G, tau 0.25",
           "oar_g_tau0.75": "OAR-G, tau 0.75", "cscr": "CSCR", "oppo": "OPPO, self-oracle",
-          "oppo_teacher": "OPPO, teacher oracle", "acpo": "ACPO", "codapo": "CoDaPO", "oar_g_codapo": "OAR-G x CoDaPO"}
+          "oppo_teacher": "OPPO, teacher oracle", "acpo": "ACPO", "codapo": "CoDaPO", "oar_g_codapo": "OAR-G x CoDaPO",
+          "grpo_main_ppo": "GRPO through main_ppo", "oar_g_main_ppo": "OAR-G through main_ppo"}
 ORDER = ["grpo", "oar_g", "oar_p_chunk16", "oar_p", *sa.ABLATIONS, *sa.TAUS, *(m for m in LABELS if m in sa.RATE_FROM
                                                                             and m not in (*sa.ABLATIONS, *sa.TAUS))]
 """table rows: the primary methods, OAR-G's variants, then the other registered methods (unknown names last)"""
@@ -85,6 +86,10 @@ def eval_table(task: str, result: dict) -> str:
         c = comps[method]
         level = c["relative_steps"]["level"]
         fewer = f", {len(c['seeds'])} seeds" if len(c["seeds"]) < most else ""  # the main_ppo-only methods' 5
+        if c.get("baseline", sa.BASELINE) != sa.BASELINE:
+            fewer += f"; vs {_label(c['baseline'])}"
+        elif not c.get("same_runner", True):
+            fewer += "; main_ppo vs the fast runner's GRPO: not comparable"
         lines.append(
             f"| {_label(method)} ({c['lr']:g}{fewer}) | {c['mean_steps']:.2f} ({c['baseline_mean_steps']:.2f}) | "
             f"{_iv(c['relative_steps'], pct=True)} ({100 * level:.2f}%) | {c.get('h1_verdict', '-')} | "
@@ -134,7 +139,8 @@ def h5_table(h5: dict) -> str:
 def replication_table(rep: dict) -> str:
     """R1: each replication method against GRPO on the fresh seeds, the original evaluation and the pooled estimate."""
     first = next(iter(rep.values()))
-    lines = [f"Replication, {sa.REPLICATION_TASK} (seeds {first['seeds'][0]}-{first['seeds'][-1]}, {len(first['seeds'])} "
+    seeds = first["seeds"]
+    lines = [f"Replication, {sa.REPLICATION_TASK} (seeds {seeds[0]}-{seeds[-1]}, {len(seeds)} "
              f"seeds, 32 steps; each method at its tuned rate against GRPO at its tuned rate, paired, every pair "
              "counted; 95%)", "",
              "| method (lr) | mean steps (GRPO) | relative change of steps [95%] | verdict | original (20 seeds) "
@@ -153,6 +159,23 @@ def replication_table(rep: dict) -> str:
             f"{c['power']['seeds']} | {_iv(c['auc_diff'], digits=3)} | {_iv(c['final_diff'], digits=3)} | "
             f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) | "
             f"{c['errors']} ({c['baseline_errors']}) |")
+    return "\n".join(lines)
+
+
+def runners_table(runners: dict) -> str:
+    """The two runners over whole runs: main_ppo against the fast runner, same method, seeds and rate."""
+    first = next(iter(runners.values()))
+    lines = [f"The runners over whole runs, {sa.REPLICATION_TASK} (seeds {first['seeds'][0]}-{first['seeds'][-1]}, 32 "
+             "steps): main_ppo against the fast runner, same method, seeds and rate, paired [95%]", "",
+             "| method (lr) | mean steps, main_ppo (fast runner) | relative change of steps [95%] | steps difference "
+             "[95%] | AUC diff [95%] | censored (fast) | stopped (fast) |", "|---|---|---|---|---|---|---|"]
+    for method in _order(runners):
+        c = runners[method]
+        lines.append(f"| {_label(method)} ({c['lr']:g}) | {c['mean_steps']:.2f} ({c['baseline_mean_steps']:.2f}) | "
+                     f"{_iv(c['relative_steps'], pct=True)} | {_iv(c['steps_difference'])} | "
+                     f"{_iv(c['auc_diff'], digits=3)} | "
+                     f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) | "
+                     f"{c['errors']} ({c['baseline_errors']}) |")
     return "\n".join(lines)
 
 
@@ -186,6 +209,9 @@ def tables(results: dict) -> str:
     replication = sa.analyse_replication(results["runs"])
     if replication:
         parts.append(replication_table(replication))
+    runners = sa.analyse_runners(results["runs"])
+    if runners:
+        parts.append(runners_table(runners))
     growth = sa.analyse_growth(results["runs"])
     if growth:
         parts.append(growth_table(growth))
