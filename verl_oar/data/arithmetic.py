@@ -34,12 +34,15 @@ THINGS = ("apples", "shells", "stickers", "books", "coins", "marbles", "pencils"
 INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 EXAMPLE = ("Example problem: Ava has 3 pens. She buys 4 more pens. How many pens does Ava have now?\n"
            "Example solution: Ava starts with 3 pens and buys 4 more, so 3 + 4 = 7. The answer is \\boxed{7}.")
+BRIEF_INSTRUCTION = "Solve the problem in one short sentence, then give the answer in \\boxed{}."
+"""``brief=True``: the same example, asking for one sentence (a 135M model sampled at temperature 1 rambles)"""
 
 
 @dataclass(frozen=True)
 class TaskSpec:
     kind: str = "word1"
     example: bool = True
+    brief: bool = False
     seed: int = 0
     test_fraction: float = 0.25
 
@@ -108,16 +111,17 @@ def problems(spec: TaskSpec, split: str) -> list[Problem]:
     return out
 
 
-def prompt_text(question: str, example: bool) -> str:
-    """The user turn: the instruction, the worked example (if any), the problem."""
-    parts = [INSTRUCTION] + ([EXAMPLE] if example else []) + [f"Problem: {question}"]
+def prompt_text(question: str, example: bool, brief: bool = False) -> str:
+    """The user turn: the instruction (``brief``: asking for one sentence), the worked example (if any), the
+    problem."""
+    parts = [BRIEF_INSTRUCTION if brief else INSTRUCTION] + ([EXAMPLE] if example else []) + [f"Problem: {question}"]
     return "\n\n".join(parts)
 
 
 def rows(spec: TaskSpec, split: str) -> list[dict]:
     """verl rows (``prompt`` as chat messages, ``reward_model.ground_truth`` the answer as text)."""
     return [{"data_source": DATA_SOURCE,
-             "prompt": [{"role": "user", "content": prompt_text(p.question, spec.example)}],
+             "prompt": [{"role": "user", "content": prompt_text(p.question, spec.example, spec.brief)}],
              "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
              "extra_info": {"split": split, "index": i, "question": p.question, "answer": str(p.answer),
@@ -138,7 +142,8 @@ def write(out: str | Path, spec: TaskSpec) -> dict[str, Path]:
     (out / "task.json").write_text(json.dumps({"spec": asdict(spec), "rows": {s: len(rows(spec, s)) for s in paths},
                                                "command": f"python -m verl_oar.data.arithmetic --out {out} "
                                                           f"--kind {spec.kind} --seed {spec.seed}"
-                                                          + ("" if spec.example else " --no-example")}, indent=2))
+                                                          + ("" if spec.example else " --no-example")
+                                                          + (" --brief" if spec.brief else "")}, indent=2))
     return paths
 
 
@@ -148,8 +153,9 @@ def main(argv=None) -> int:
     p.add_argument("--kind", default="word1", choices=KINDS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-example", action="store_true", help="no worked example in the prompt")
+    p.add_argument("--brief", action="store_true", help="ask for one short sentence before the boxed answer")
     args = p.parse_args(argv)
-    paths = write(args.out, TaskSpec(kind=args.kind, example=not args.no_example, seed=args.seed))
+    paths = write(args.out, TaskSpec(kind=args.kind, example=not args.no_example, brief=args.brief, seed=args.seed))
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
 

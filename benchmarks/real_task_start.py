@@ -1,0 +1,139 @@
+"""Start statistics of a real pretrained model on the arithmetic task designs (verl_oar/data/arithmetic.py), to choose
+the design the real-model experiments train on (docs/real-model.md).
+
+    python benchmarks/real_task_start.py --out benchmarks/results_real_task_start_cpu.json \
+        [--designs word1,word1:no-example,word2,sum1] [--problems 32] [--samples 8] [--max-new-tokens 128]
+
+Per design (``KIND[:no-example][:brief]``: kind, without the worked example, asking for one short sentence): the first ``--problems`` test problems, each sampled
+``--samples`` times at temperature 1 (no top-k / top-p) and once greedily, up to ``--max-new-tokens`` tokens, with
+plain transformers ``generate`` on the prepared model (``verl-oar prepare-model smollm2``; fp32, one torch thread,
+seed 0), each response graded by ``verl_oar.rewards.math_reward.compute_score`` against the problem's answer.
+Reports pass@1 (mean over samples), pass@k (a problem with any right sample), the rate of a gradable answer (the
+reward found one), the mean response length in tokens, the rate of responses cut at the token limit, greedy pass@1,
+and seconds. The model is SmolLM2-135M-Instruct dequantized from Q4_1, not the original checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_design(text: str):
+    from verl_oar.data.arithmetic import TaskSpec
+
+    kind, *flags = text.split(":")
+    if set(flags) - {"no-example", "brief"}:
+        raise SystemExit(f"real_task_start: design {text!r}: KIND[:no-example][:brief]")
+    return TaskSpec(kind=kind, example="no-example" not in flags, brief="brief" in flags)
+
+
+def generate(model, tokenizer, prompts: list[str], *, samples: int, greedy: bool, max_new_tokens: int, seed: int,
+             batch: int) -> list[tuple[str, int, bool]]:
+    """(decoded response, its token count, cut at the limit) per (prompt, sample), prompt-major."""
+    import torch
+
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    wanted = [t for t in texts for _ in range(1 if greedy else samples)]
+    out = []
+    torch.manual_seed(seed)
+    for start in range(0, len(wanted), batch):
+        chunk = wanted[start:start + batch]
+        enc = tokenizer(chunk, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy,
+                                 temperature=None if greedy else 1.0, top_k=None if greedy else 0,
+                                 top_p=None if greedy else 1.0, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+        for row in ids[:, enc["input_ids"].shape[1]:]:
+            tokens = row.tolist()
+            ended = tokenizer.eos_token_id in tokens
+            n = tokens.index(tokenizer.eos_token_id) + 1 if ended else len(tokens)
+            out.append((tokenizer.decode(tokens[:n], skip_special_tokens=True), n, not ended))
+    return out
+
+
+def measure(model, tokenizer, spec, args) -> dict:
+    from verl_oar.data.arithmetic import problems, prompt_text
+    from verl_oar.rewards.math_reward import compute_score
+
+    chosen = problems(spec, "test")[: args.problems]
+    prompts = [prompt_text(p.question, spec.example, spec.brief) for p in chosen]
+    began = time.time()
+    sampled = generate(model, tokenizer, prompts, samples=args.samples, greedy=False,
+                       max_new_tokens=args.max_new_tokens, seed=0, batch=args.batch)
+    greedy = generate(model, tokenizer, prompts, samples=1, greedy=True, max_new_tokens=args.max_new_tokens, seed=0,
+                      batch=args.batch)
+    seconds = time.time() - began
+
+    def grade(text: str, answer: int) -> tuple[float, bool]:
+        result = compute_score("verl_oar/arithmetic", text, str(answer))
+        return result["score"], result["pred"] != ""
+
+    rights, gradable, per_problem = [], [], []
+    for i, p in enumerate(chosen):
+        graded = [grade(text, p.answer) for text, _, _ in sampled[i * args.samples:(i + 1) * args.samples]]
+        rights += [s for s, _ in graded]
+        gradable += [g for _, g in graded]
+        per_problem.append(any(s == 1.0 for s, _ in graded))
+    n = len(rights)
+    return {
+        "kind": spec.kind, "example": spec.example, "brief": spec.brief, "problems": len(chosen), "samples_per_problem": args.samples,
+        "pass_at_1": sum(rights) / n, f"pass_at_{args.samples}": sum(per_problem) / len(chosen),
+        "gradable_rate": sum(gradable) / n, "mean_response_tokens": sum(t for _, t, _ in sampled) / n,
+        "cut_rate": sum(c for _, _, c in sampled) / n,
+        "greedy_pass_at_1": sum(grade(t, p.answer)[0] for (t, _, _), p in zip(greedy, chosen)) / len(chosen),
+        "seconds": round(seconds, 1),
+        "example_responses": [{"question": p.question, "answer": p.answer, "response": sampled[i * args.samples][0]}
+                              for i, p in enumerate(chosen[:3])],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--designs", default="word1,word1:no-example,word2,sum1")
+    p.add_argument("--problems", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--model", default=None, help="a prepared folder (default: verl-oar prepare-model smollm2's)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_oar.testbed.machine import cpu_id, machine_info
+    from verl_oar.tools.prepare_model import prepare
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    folder = Path(args.model) if args.model else prepare("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    results = []
+    for design in args.designs.split(","):
+        spec = parse_design(design)
+        results.append(measure(model, tokenizer, spec, args))
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "example_responses"}), flush=True)
+    record = json.loads((folder / "verl_oar_model.json").read_text())
+    Path(args.out).write_text(json.dumps({
+        "what": "start statistics of the arithmetic task designs on SmolLM2-135M-Instruct (Q4_1 dequantized, fp32)",
+        "command": "python benchmarks/real_task_start.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": {"source": record["source"], "parameters": record["parameters"]},
+        "machine": {**machine_info(), "cpu_id": cpu_id(), "torch_threads": torch.get_num_threads()},
+        "settings": {"problems": args.problems, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
+                     "temperature": 1.0, "seed": 0},
+        "designs": results,
+    }, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
