@@ -4,7 +4,8 @@ the design the real-model experiments train on (docs/real-model.md).
     python benchmarks/real_task_start.py --out benchmarks/results_real_task_start_cpu.json \
         [--designs word1,word1:no-example,word2,sum1] [--problems 32] [--samples 8] [--max-new-tokens 128]
 
-Per design (``KIND[:no-example][:brief]``: kind, without the worked example, asking for one short sentence): the first ``--problems`` test problems, each sampled
+Per design (``KIND[:no-example][:brief][:label]``: kind, without the worked example, asking for one short sentence,
+the answer after an ``Answer:`` label instead of in ``\boxed{}``): the first ``--problems`` test problems, each sampled
 ``--samples`` times at temperature 1 (no top-k / top-p) and once greedily, up to ``--max-new-tokens`` tokens, with
 plain transformers ``generate`` on the prepared model (``verl-oar prepare-model smollm2``; fp32, one torch thread,
 seed 0), each response graded by ``verl_oar.rewards.math_reward.compute_score`` against the problem's answer.
@@ -29,9 +30,10 @@ def parse_design(text: str):
     from verl_oar.data.arithmetic import TaskSpec
 
     kind, *flags = text.split(":")
-    if set(flags) - {"no-example", "brief"}:
-        raise SystemExit(f"real_task_start: design {text!r}: KIND[:no-example][:brief]")
-    return TaskSpec(kind=kind, example="no-example" not in flags, brief="brief" in flags)
+    if set(flags) - {"no-example", "brief", "label"}:
+        raise SystemExit(f"real_task_start: design {text!r}: KIND[:no-example][:brief][:label]")
+    return TaskSpec(kind=kind, example="no-example" not in flags, brief="brief" in flags,
+                    answer="label" if "label" in flags else "boxed")
 
 
 def generate(model, tokenizer, prompts: list[str], *, samples: int, greedy: bool, max_new_tokens: int, seed: int,
@@ -65,7 +67,7 @@ def measure(model, tokenizer, spec, args) -> dict:
     from verl_oar.rewards.math_reward import compute_score
 
     chosen = problems(spec, "test")[: args.problems]
-    prompts = [prompt_text(p.question, spec.example, spec.brief) for p in chosen]
+    prompts = [prompt_text(p.question, spec.example, spec.brief, spec.answer) for p in chosen]
     began = time.time()
     sampled = generate(model, tokenizer, prompts, samples=args.samples, greedy=False,
                        max_new_tokens=args.max_new_tokens, seed=0, batch=args.batch)
@@ -85,7 +87,8 @@ def measure(model, tokenizer, spec, args) -> dict:
         per_problem.append(any(s == 1.0 for s, _ in graded))
     n = len(rights)
     return {
-        "kind": spec.kind, "example": spec.example, "brief": spec.brief, "problems": len(chosen), "samples_per_problem": args.samples,
+        "kind": spec.kind, "example": spec.example, "brief": spec.brief, "answer": spec.answer,
+        "problems": len(chosen), "samples_per_problem": args.samples,
         "pass_at_1": sum(rights) / n, f"pass_at_{args.samples}": sum(per_problem) / len(chosen),
         "gradable_rate": sum(gradable) / n, "mean_response_tokens": sum(t for _, t, _ in sampled) / n,
         "cut_rate": sum(c for _, _, c in sampled) / n,
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--model", default=None, help="a prepared folder (default: verl-oar prepare-model smollm2's)")
+    p.add_argument("--append", action="store_true", help="add these designs to --out's (same settings), keeping its own")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -123,13 +127,21 @@ def main(argv=None) -> int:
         results.append(measure(model, tokenizer, spec, args))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "example_responses"}), flush=True)
     record = json.loads((folder / "verl_oar_model.json").read_text())
+    command = "python benchmarks/real_task_start.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    settings = {"problems": args.problems, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
+                "temperature": 1.0, "seed": 0}
+    commands = []
+    if args.append:
+        earlier = json.loads(Path(args.out).read_text())
+        if earlier["settings"] != settings or earlier["model"]["source"] != record["source"]:
+            raise SystemExit(f"real_task_start: --append needs {args.out}'s settings and model: {earlier['settings']}")
+        commands, results = earlier["commands"], earlier["designs"] + results
     Path(args.out).write_text(json.dumps({
         "what": "start statistics of the arithmetic task designs on SmolLM2-135M-Instruct (Q4_1 dequantized, fp32)",
-        "command": "python benchmarks/real_task_start.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commands": commands + [command],
         "model": {"source": record["source"], "parameters": record["parameters"]},
         "machine": {**machine_info(), "cpu_id": cpu_id(), "torch_threads": torch.get_num_threads()},
-        "settings": {"problems": args.problems, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
-                     "temperature": 1.0, "seed": 0},
+        "settings": settings,
         "designs": results,
     }, indent=1) + "\n")
     return 0

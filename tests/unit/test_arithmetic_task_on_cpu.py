@@ -53,3 +53,13 @@ def test_rows_are_verl_rows_that_the_math_reward_grades(tmp_path):
     assert compute_score(row["data_source"], f"So it is \\boxed{{{int(answer) + 1}}}.", answer)["score"] == 0.0
     plain = ar.rows(ar.TaskSpec(kind="word1", example=False), "test")[0]["prompt"][0]["content"]
     assert "Example" not in plain
+
+
+def test_the_label_format_asks_for_an_answer_line_the_reward_grades():
+    from verl_oar.rewards.math_reward import compute_score
+
+    text = ar.prompt_text("What is 2 + 2?", True, answer="label")
+    assert "Answer: <number>" in text and "\\boxed" not in text and text.endswith("Problem: What is 2 + 2?")
+    assert compute_score("x", "2 and 2 make 4.\nAnswer: 4", "4")["score"] == 1.0
+    with pytest.raises(ValueError, match="answer must be 'boxed' or 'label'"):
+        ar.prompt_text("What is 2 + 2?", True, answer="latex")

@@ -36,6 +36,10 @@ EXAMPLE = ("Example problem: Ava has 3 pens. She buys 4 more pens. How many pens
            "Example solution: Ava starts with 3 pens and buys 4 more, so 3 + 4 = 7. The answer is \\boxed{7}.")
 BRIEF_INSTRUCTION = "Solve the problem in one short sentence, then give the answer in \\boxed{}."
 """``brief=True``: the same example, asking for one sentence (a 135M model sampled at temperature 1 rambles)"""
+LABEL_INSTRUCTION = "Solve the problem. End your reply with a last line of the form Answer: <number>."
+LABEL_EXAMPLE = ("Example problem: Ava has 3 pens. She buys 4 more pens. How many pens does Ava have now?\n"
+                 "Example solution: Ava starts with 3 pens and buys 4 more, so 3 + 4 = 7.\nAnswer: 7")
+"""``answer="label"``: the answer after an ``Answer:`` label, which the math reward also grades"""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class TaskSpec:
     kind: str = "word1"
     example: bool = True
     brief: bool = False
+    answer: str = "boxed"
+    """how the prompt asks for the answer: ``boxed`` (``\\boxed{}``) or ``label`` (a last line ``Answer: N``)"""
     seed: int = 0
     test_fraction: float = 0.25
 
@@ -111,17 +117,23 @@ def problems(spec: TaskSpec, split: str) -> list[Problem]:
     return out
 
 
-def prompt_text(question: str, example: bool, brief: bool = False) -> str:
-    """The user turn: the instruction (``brief``: asking for one sentence), the worked example (if any), the
-    problem."""
-    parts = [BRIEF_INSTRUCTION if brief else INSTRUCTION] + ([EXAMPLE] if example else []) + [f"Problem: {question}"]
+def prompt_text(question: str, example: bool, brief: bool = False, answer: str = "boxed") -> str:
+    """The user turn: the instruction (``brief``: asking for one sentence; ``answer``: the answer format), the worked
+    example (if any), the problem."""
+    if answer not in ("boxed", "label"):
+        raise ValueError(f"arithmetic: answer must be 'boxed' or 'label', got {answer!r}")
+    if answer == "label":
+        instruction, example_text = LABEL_INSTRUCTION, LABEL_EXAMPLE
+    else:
+        instruction, example_text = BRIEF_INSTRUCTION if brief else INSTRUCTION, EXAMPLE
+    parts = [instruction] + ([example_text] if example else []) + [f"Problem: {question}"]
     return "\n\n".join(parts)
 
 
 def rows(spec: TaskSpec, split: str) -> list[dict]:
     """verl rows (``prompt`` as chat messages, ``reward_model.ground_truth`` the answer as text)."""
     return [{"data_source": DATA_SOURCE,
-             "prompt": [{"role": "user", "content": prompt_text(p.question, spec.example, spec.brief)}],
+             "prompt": [{"role": "user", "content": prompt_text(p.question, spec.example, spec.brief, spec.answer)}],
              "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
              "extra_info": {"split": split, "index": i, "question": p.question, "answer": str(p.answer),
@@ -143,7 +155,8 @@ def write(out: str | Path, spec: TaskSpec) -> dict[str, Path]:
                                                "command": f"python -m verl_oar.data.arithmetic --out {out} "
                                                           f"--kind {spec.kind} --seed {spec.seed}"
                                                           + ("" if spec.example else " --no-example")
-                                                          + (" --brief" if spec.brief else "")}, indent=2))
+                                                          + (" --brief" if spec.brief else "")
+                                                          + f" --answer {spec.answer}"}, indent=2))
     return paths
 
 
@@ -154,8 +167,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-example", action="store_true", help="no worked example in the prompt")
     p.add_argument("--brief", action="store_true", help="ask for one short sentence before the boxed answer")
+    p.add_argument("--answer", default="boxed", choices=("boxed", "label"), help="the answer format asked for")
     args = p.parse_args(argv)
-    paths = write(args.out, TaskSpec(kind=args.kind, example=not args.no_example, brief=args.brief, seed=args.seed))
+    paths = write(args.out, TaskSpec(kind=args.kind, example=not args.no_example, brief=args.brief,
+                                     answer=args.answer, seed=args.seed))
     print(json.dumps({k: str(v) for k, v in paths.items()}))
     return 0
 
