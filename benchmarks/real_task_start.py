@@ -99,6 +99,22 @@ def measure(model, tokenizer, spec, args) -> dict:
     }
 
 
+def table(results: dict) -> str:
+    """docs/real-model.md's table of the designs, from a results file (a test keeps the page equal to it)."""
+    def name(d: dict) -> str:
+        parts = [f"`{d['kind']}`", "worked example" if d["example"] else "no example"]
+        parts += ["brief"] * d["brief"] + ["`Answer:` line"] * (d.get("answer") == "label")
+        return ", ".join(parts)
+
+    k = results["settings"]["samples"]
+    lines = [f"| design | pass@1 (T=1) | pass@{k} | gradable answer | mean tokens | cut at "
+             f"{results['settings']['max_new_tokens']} | greedy pass@1 |", "|---|---|---|---|---|---|---|"]
+    for d in sorted(results["designs"], key=lambda d: (d["kind"], -d["pass_at_1"])):
+        lines.append(f"| {name(d)} | {d['pass_at_1']:.3f} | {d[f'pass_at_{k}']:.3f} | {d['gradable_rate']:.3f} | "
+                     f"{d['mean_response_tokens']:.0f} | {d['cut_rate']:.3f} | {d['greedy_pass_at_1']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -109,7 +125,11 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--model", default=None, help="a prepared folder (default: verl-oar prepare-model smollm2's)")
     p.add_argument("--append", action="store_true", help="add these designs to --out's (same settings), keeping its own")
+    p.add_argument("--table", action="store_true", help="print --out's table (docs/real-model.md) and exit")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.out).read_text())))
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

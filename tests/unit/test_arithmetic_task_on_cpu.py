@@ -63,3 +63,19 @@ def test_the_label_format_asks_for_an_answer_line_the_reward_grades():
     assert compute_score("x", "2 and 2 make 4.\nAnswer: 4", "4")["score"] == 1.0
     with pytest.raises(ValueError, match="answer must be 'boxed' or 'label'"):
         ar.prompt_text("What is 2 + 2?", True, answer="latex")
+
+
+def test_the_docs_quote_the_committed_start_statistics():
+    """docs/real-model.md's design table is what ``real_task_start.py --table`` renders from the committed results."""
+    import json
+    from pathlib import Path
+
+    from _benchmarks import load_benchmark
+
+    root = Path(__file__).resolve().parents[2]
+    results = json.loads((root / "benchmarks" / "results_real_task_start_cpu.json").read_text())
+    table = load_benchmark("real_task_start").table(results)
+    assert table in (root / "docs" / "real-model.md").read_text()
+    chosen = [d for d in results["designs"] if d["kind"] == "sum1" and d["example"] and not d["brief"]
+              and d.get("answer", "boxed") == "boxed"]
+    assert len(chosen) == 1 and 0.10 <= chosen[0]["pass_at_1"] <= 0.5  # the task the runs train on, in range

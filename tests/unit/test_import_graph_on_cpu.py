@@ -19,6 +19,7 @@ ALLOWED = {
     "cpu": {"core", "rewards", "cpu"},
     "tools": {"core", "rewards", "integration", "tools"},
     "testbed": {"core", "tools", "rewards", "cpu", "integration", "testbed"},
+    "real_model": {"core", "tools", "rewards", "cpu", "integration", "data", "real_model"},
 }
 """layer -> the layers its modules may import (itself included)"""
 
@@ -139,7 +140,7 @@ def test_the_check_sees_function_level_and_relative_imports():
     assert "core/x_graph_probe.py imports verl_oar.tools: core/ may import only ['core']" in found
 
 
-HEAVY_OR_OPTIONAL = ("verl_oar.cpu", "verl_oar.testbed", "verl_oar.tools", "verl_oar.data")
+HEAVY_OR_OPTIONAL = ("verl_oar.cpu", "verl_oar.testbed", "verl_oar.tools", "verl_oar.data", "verl_oar.real_model")
 
 
 @pytest.mark.parametrize("cpu_mode", [False, True])
