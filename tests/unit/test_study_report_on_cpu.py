@@ -110,3 +110,33 @@ def test_h3_h4_and_h5_tables_render_once_their_runs_exist():
     assert "H3 and H4, fill8" in text and "| OAR-G without suppression | H3 | +4.00 [+4.00, +4.00] | 6 | supported |" in text
     assert "H3 and H4, fill2" not in text
     assert "H5: slope" in text and "| OAR-G | fill2, fill8 |" in text
+
+
+def test_replication_runners_and_growth_tables_render_once_their_runs_exist():
+    def run(phase, task, method, seed, reach, steps=32, error=False):
+        reward = [0.5] * (reach - 3) + [0.9] * (steps - reach + 3)
+        out = {"phase": phase, "task": task, "method": method, "lr": 0.001, "seed": seed, "steps": steps,
+               "reward": reward, "val_accuracy": {"0": 0.4, str(steps): 0.9}}
+        if error:  # stopped at step 5 by a guard: its curve up to the stop
+            out.update(error="no-answer guard", reward=reward[:5], val_accuracy={"0": 0.4, "4": 0.5})
+        return out
+
+    runs = []
+    for task in ("fill32", "fill64"):
+        runs += [run("tuning", task, m, s, 12) for m in ("grpo", "oar_g", "oar_p_chunk16") for s in range(1000, 1005)]
+    for seed in range(2000, 2006):
+        runs += [run("eval", "fill32", "grpo", seed, 14), run("eval", "fill32", "oar_g", seed, 12),
+                 run("eval", "fill64", "grpo", seed, 20 + seed % 2), run("eval", "fill64", "oar_g", seed, 14)]
+    for seed in range(4000, 4006):
+        runs += [run("replication", "fill32", "grpo", seed, 14 + seed % 2),
+                 run("replication", "fill32", "oar_g", seed, 13, error=seed == 4000),
+                 run("replication", "fill32", "oar_p_chunk16", seed, 14)]
+    for seed in range(7000, 7004):
+        runs += [run("runners", "fill32", m, seed, 14 + seed % 2) for m in ("grpo", "grpo_main_ppo")]
+    text = study_report.tables({"runs": runs})
+    assert "Replication, fill32 (seeds 4000-4005, 6 seeds, 32 steps;" in text
+    [row] = [line for line in text.splitlines() if line.startswith("| OAR-G (0.001) | ") and "(12 seeds)" in line]
+    assert row.endswith("| 17% (0%) | 1 (0) |"), row  # the stopped run is counted: censored and stopped
+    assert "The runners over whole runs, fill32 (seeds 7000-7003" in text
+    assert "| GRPO (0.001) | 14.50 (14.50) | +0.0% [+0.0%, +0.0%] | +0.00 [+0.00, +0.00] |" in text
+    assert "R2, fill64: OAR-G against tuned GRPO" in text

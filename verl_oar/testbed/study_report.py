@@ -52,6 +52,12 @@ def _ratio(iv: dict) -> str:
     return f"{f(iv['estimate'])} [{f(iv['low'])}, {f(iv['high'])}]"
 
 
+def _stops(c: dict) -> str:
+    """A comparison's last two columns: censored fraction and stopped runs, the method's (the baseline's)."""
+    return (f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) | "
+            f"{c['errors']} ({c['baseline_errors']})")
+
+
 def tuning_table(task: str, tuning: dict) -> str:
     rates = sorted({lr for t in tuning.values() for lr in t["grid"]}, key=float)
     lines = [f"Tuning, {task} (seeds {_seed_span(tuning)}; mean steps to threshold, censored runs in brackets "
@@ -95,8 +101,7 @@ def eval_table(task: str, result: dict) -> str:
             f"{_iv(c['relative_steps'], pct=True)} ({100 * level:.2f}%) | {c.get('h1_verdict', '-')} | "
             f"{_iv(c['auc_diff'], digits=3)} | {_iv(c['final_diff'], digits=3)} | {_ratio(c['sd_ratio_auc'])} | "
             f"{c.get('h2_verdict_auc', '-')} | {_ratio(c['sd_ratio_steps'])} | "
-            f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) | "
-            f"{c['errors']} ({c['baseline_errors']}) |")
+            f"{_stops(c)} |")
     return "\n".join(lines)
 
 
@@ -157,8 +162,7 @@ def replication_table(rep: dict) -> str:
             f"| {_label(method)} ({c['lr']:g}) | {c['mean_steps']:.2f} ({c['baseline_mean_steps']:.2f}) | "
             f"{_iv(c['relative_steps'], pct=True)} | {c['verdict']} | {original} | {inside} | {pooled} | "
             f"{c['power']['seeds']} | {_iv(c['auc_diff'], digits=3)} | {_iv(c['final_diff'], digits=3)} | "
-            f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) | "
-            f"{c['errors']} ({c['baseline_errors']}) |")
+            f"{_stops(c)} |")
     return "\n".join(lines)
 
 
@@ -173,9 +177,7 @@ def runners_table(runners: dict) -> str:
         c = runners[method]
         lines.append(f"| {_label(method)} ({c['lr']:g}) | {c['mean_steps']:.2f} ({c['baseline_mean_steps']:.2f}) | "
                      f"{_iv(c['relative_steps'], pct=True)} | {_iv(c['steps_difference'])} | "
-                     f"{_iv(c['auc_diff'], digits=3)} | "
-                     f"{100 * c['censored']:.0f}% ({100 * c['baseline_censored']:.0f}%) | "
-                     f"{c['errors']} ({c['baseline_errors']}) |")
+                     f"{_iv(c['auc_diff'], digits=3)} | {_stops(c)} |")
     return "\n".join(lines)
 
 
