@@ -428,11 +428,13 @@ def effect_difference(longer: tuple, shorter: tuple) -> dict:
     return {"estimate": estimate, "low": low, "high": high, "level": 0.95, "verdict": verdict}
 
 
-def analyse_growth(runs: Sequence[Mapping], method: str = "oar_g") -> dict:
+def analyse_growth(results: Mapping, method: str = "oar_g") -> dict:
     """R2: at ``GROWTH_TASK`` (its own tuned rates, evaluation seeds) the method against tuned GRPO (95%) and the
-    growth of its effect over the replication's fill32 effect. Empty until both exist."""
+    growth of its effect over the replication's fill32 effect. Empty until both exist. Reads the memoised
+    :func:`analyse` of ``results`` (its bootstraps are not run again)."""
+    runs = results["runs"]
     replication = analyse_replication(runs)
-    analysis = analyse_task(runs, GROWTH_TASK) if any(r["task"] == GROWTH_TASK for r in runs) else {}
+    analysis = analyse(results).get(GROWTH_TASK, {})
     if method not in replication or method not in analysis.get("comparisons", {}):
         return {}
     lr_of = {m: t["lr"] for m, t in analysis["tuning"].items()}

@@ -214,7 +214,7 @@ def tables(results: dict) -> str:
     runners = sa.analyse_runners(results["runs"])
     if runners:
         parts.append(runners_table(runners))
-    growth = sa.analyse_growth(results["runs"])
+    growth = sa.analyse_growth(results)
     if growth:
         parts.append(growth_table(growth))
     return "\n\n".join(parts) + "\n"
