@@ -69,13 +69,14 @@ SPANS = [
 
 
 def _without_span(result):
-    return {key: value for key, value in result.items() if key != "answer_span"}
+    return {key: result[key] for key in ("score", "acc", "pred")}
 
 
 @pytest.mark.parametrize(("response", "ground_truth", "score", "pred"), CASES)
 def test_hand_checked(response, ground_truth, score, pred):
     result = compute_score("math500", response, ground_truth)
     assert _without_span(result) == {"score": score, "acc": score, "pred": pred}
+    assert result["graded"] == (1.0 if ground_truth else 0.0)   # every case here is graded but "no ground truth"
     span = parse_answer_span(result["answer_span"])
     assert (span is None) == (pred == "")
     if span is not None:
@@ -90,7 +91,8 @@ def test_answer_span_by_hand(response, answer_span):
 def test_same_keys_every_call():
     """verl builds one array per key of the first result, so every result must have the same keys."""
     results = [compute_score("gsm8k", r, g) for r, g, _, _ in CASES]
-    assert {frozenset(result) for result in results} == {frozenset({"score", "acc", "pred", "answer_span"})}
+    keys = {"score", "acc", "pred", "answer_span", "graded", "grade"}
+    assert {frozenset(result) for result in results} == {frozenset(keys)}
     assert all(isinstance(result["answer_span"], str) for result in results)   # never averaged by verl
 
 
@@ -142,21 +144,22 @@ def test_threads():
     assert [r["score"] for r in results] == [1.0] * 16
 
 
-def test_timeout_scores_zero_and_recovers(caplog):
+def test_timeout_is_not_graded_and_recovers(caplog):
     compute_score("math500", "\\boxed{0.5}", "\\frac{1}{2}")        # a worker is up
     with caplog.at_level("WARNING", logger="verl_oar.rewards.math_reward"):
         result = compute_score("math500", "\\boxed{3/4}", "0.75", timeout_s=0.0)
-    assert result == {"score": 0.0, "acc": 0.0, "pred": "3/4", "answer_span": "0:7:10"}
+    assert result == {"score": 0.0, "acc": 0.0, "pred": "3/4", "answer_span": "0:7:10", "graded": 0.0,
+                      "grade": "timed_out"}
     assert "did not answer" in caplog.text
     assert compute_score("math500", "\\boxed{3/4}", "0.75")["score"] == 1.0   # a fresh worker answers
 
 
 def test_workers_do_not_import_torch():
-    """The worker module must stay light: ``python -m verl_oar.rewards.math_reward`` imports no torch."""
+    """The worker module must stay light: ``python -m verl_oar.rewards.verify_pool`` imports no torch."""
     import subprocess
     import sys
 
-    code = "import sys, verl_oar.rewards.math_reward; sys.exit('torch' in sys.modules)"
+    code = "import sys, verl_oar.rewards.verify_pool, verl_oar.rewards.math_reward; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
 
 
@@ -180,7 +183,8 @@ def test_verl_loads_it_by_pkg_path():
 
     reward_fn = get_custom_reward_fn(_reward_config())
     result = reward_fn(data_source="aime24", solution_str="\\boxed{033}", ground_truth="33", extra_info={})
-    assert result == {"score": 1.0, "acc": 1.0, "pred": "033", "answer_span": "0:7:10"}
+    assert result == {"score": 1.0, "acc": 1.0, "pred": "033", "answer_span": "0:7:10", "graded": 1.0,
+                      "grade": "verified"}
 
 
 def test_verl_naive_reward_manager_runs_it():
@@ -209,6 +213,7 @@ def test_verl_naive_reward_manager_runs_it():
     )
     out = manager.loop.run_until_complete(manager.run_single(data))
     assert out == {"reward_score": 1.0,
-                   "reward_extra_info": {"score": 1.0, "acc": 1.0, "pred": "0.5", "answer_span": "14:21:24"}}
+                   "reward_extra_info": {"score": 1.0, "acc": 1.0, "pred": "0.5", "answer_span": "14:21:24",
+                                         "graded": 1.0, "grade": "verified"}}
     rm_scores = type(manager).assemble_rm_scores(data, [out["reward_score"]])
     assert rm_scores.sum().item() == 1.0 and rm_scores[0, len(response) - 1].item() == 1.0

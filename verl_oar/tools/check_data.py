@@ -53,7 +53,7 @@ def grade_ground_truths(truths: list[Any]) -> dict[str, int]:
     """{"math_verify": parsed by math-verify, "exact_only": non-empty but only gradable by exact string match,
     "missing": None or empty} over ``truths``. The reward's own rule: ``compute_score`` first compares stripped
     strings, then math-verify; ``verify_answer(t, t)`` is True exactly when math-verify parses ``\\boxed{t}``."""
-    from verl_oar.rewards.math_reward import verify_answer
+    from verl_oar.rewards.verify_pool import verify_answer
 
     counts = {"math_verify": 0, "exact_only": 0, "missing": 0}
     for truth in truths:
