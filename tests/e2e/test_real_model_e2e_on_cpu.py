@@ -15,6 +15,8 @@ import pytest
 
 @pytest.mark.slow
 def test_one_oar_g_step_of_smollm2_through_main_ppo(tmp_path, shared_ray_cluster):
+    """One OAR-G step; with the grader's budget at 0 s, every answer that is not an exact match goes ungraded
+    (``timed_out``), so the step also shows the ungraded answers' rule at work (verl_oar.integration.grading)."""
     from verl_oar.cpu.launch import read_metrics
     from verl_oar.real_model.launch import run
 
@@ -23,7 +25,11 @@ def test_one_oar_g_step_of_smollm2_through_main_ppo(tmp_path, shared_ray_cluster
                                        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                                        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-                                       "data.max_response_length=64"])
+                                       "data.max_response_length=64",
+                                       "+reward.custom_reward_function.reward_kwargs.timeout_s=0.0",
+                                       "+reward.custom_reward_function.reward_kwargs.max_ungraded_frac=1.0",
+                                       f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+                                       f"+algorithm.oar.dump_dir={tmp_path / 'dump'}"])
     assert rc == 0, f"main_ppo exited {rc}"
     [step] = [r["data"] for r in read_metrics(metrics) if r["step"] == 1]
     assert 0.0 <= step["critic/score/mean"] <= 1.0
@@ -37,3 +43,33 @@ def test_one_oar_g_step_of_smollm2_through_main_ppo(tmp_path, shared_ray_cluster
     assert step["oar/mass_error/max_abs"] < 1e-6
     # the rollout's log-probs equal the actor's on the synced weights (fp32, the same model)
     assert step["training/rollout_probs_diff_mean"] < 1e-3, step["training/rollout_probs_diff_mean"]
+    _check_ungraded_answers_left_out(tmp_path, step)
+
+
+def _check_ungraded_answers_left_out(tmp_path, step):
+    """The rollout dump (verl's, written after the step) and OAR's dump, row by row against a regrade: the ungraded
+    rate is logged, an ungraded answer's score is its group's graded mean, and its advantages are 0."""
+    import json
+
+    import torch
+
+    from verl_oar.rewards.math_reward import compute_score
+
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    grades = {r["uid"]: compute_score("x", r["output"], r["gts"], timeout_s=0.0)["grade"] for r in rows}
+    ungraded = {key for key, grade in grades.items() if grade == "timed_out"}
+    assert set(grades.values()) <= {"timed_out", "exact", "no_answer"}, grades
+    assert ungraded, grades      # the model answers, mostly wrong: at a 0 s budget those answers go ungraded
+    assert step["reward/ungraded_frac"] == len(ungraded) / len(rows)
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r["uid"].rsplit("_", 2)[0], []).append(r)
+    for members in groups.values():
+        graded = [r["score"] for r in members if r["uid"] not in ungraded]
+        for r in members:
+            if r["uid"] in ungraded:
+                assert r["score"] == pytest.approx(sum(graded) / len(graded) if graded else 0.0), (r, members)
+    dump = torch.load(tmp_path / "dump" / "step_1.pt", weights_only=False)
+    for row, key in enumerate(dump["keys"]):
+        if key in ungraded:
+            assert bool((dump["advantages"][row] == 0).all()), (key, dump["advantages"][row])

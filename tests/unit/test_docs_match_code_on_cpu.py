@@ -287,3 +287,24 @@ def test_the_demo_default_steps_are_run_settings(path: Path) -> None:
 def test_the_demo_claims_reader_finds_the_forms() -> None:
     assert re.search(r"Demo budget\*?\*?:[^|]*? x (\d+) steps", "5. **Demo budget**: 1 seed x 3 methods (GRPO) x 10 "
                      "steps (validation").group(1) == "10"
+
+
+def test_configuration_math_reward_table_is_the_rewards_defaults() -> None:
+    """docs/configuration.md's math-reward table: every keyword ``compute_score`` and the trainer read, their types
+    and defaults (``verify_workers``' default depends on the machine's cores: its cell says so)."""
+    import inspect
+
+    from verl_oar.integration.grading import MAX_UNGRADED_FRAC
+    from verl_oar.rewards.math_reward import compute_score
+
+    rows = _key_rows(ROOT / "docs/configuration.md", r"^## The math reward")
+    params = inspect.signature(compute_score).parameters
+    expected = {name: params[name].default for name in ("timeout_s", "queue_timeout_s", "verify_workers")}
+    expected["max_ungraded_frac"] = MAX_UNGRADED_FRAC
+    assert sorted(rows) == sorted(expected), sorted(rows)
+    for key, default in expected.items():
+        cell = _doc_value(rows[key][2])
+        if key == "verify_workers":
+            assert cell == "min(4, cores)", cell
+        else:
+            assert _matches(cell, default), f"docs/configuration.md `{key}`: default {cell}, code {default!r}"

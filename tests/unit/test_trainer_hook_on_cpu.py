@@ -64,6 +64,30 @@ def test_a_non_token_estimator_gets_verls_own_trainer_object(estimator, mode):
     assert type(trainer).__module__.startswith("verl.trainer.ppo.v1.")
 
 
+MATH_REWARD = ["reward.custom_reward_function.path=pkg://verl_oar.rewards.math_reward",
+               "reward.custom_reward_function.name=compute_score"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_a_run_graded_by_the_math_reward_gets_the_ungraded_answers_rule_for_every_estimator(mode):
+    """GRPO graded by verl-oar's math reward: verl's class plus ``GradingMixin`` (ungraded answers counted and left
+    out of the update); OAR-G's trainer has it too; a limit outside [0, 1] stops the run at construction."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_oar.integration.grading import GradingMixin
+    from verl_oar.integration.trainer import verl_trainer_cls
+
+    config = compose_ppo_config(["algorithm.adv_estimator=grpo", f"trainer.v1.trainer_mode={mode}", *MATH_REWARD])
+    trainer = get_trainer_cls(mode)(config=config)
+    assert isinstance(trainer, GradingMixin) and isinstance(trainer, verl_trainer_cls(mode))
+    oar = compose_ppo_config(["algorithm.adv_estimator=oar_g", "actor_rollout_ref.actor.strategy=fsdp2", *MATH_REWARD])
+    assert isinstance(get_trainer_cls("sync")(config=oar), GradingMixin)
+    bad = compose_ppo_config(["algorithm.adv_estimator=grpo", f"trainer.v1.trainer_mode={mode}", *MATH_REWARD,
+                              "+reward.custom_reward_function.reward_kwargs.max_ungraded_frac=5"])
+    with pytest.raises(ValueError, match="max_ungraded_frac=5"):
+        get_trainer_cls(mode)(config=bad)
+
+
 def test_a_token_estimator_gets_the_oar_trainer_under_sync_and_a_refusal_elsewhere():
     from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
 

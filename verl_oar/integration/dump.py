@@ -10,18 +10,24 @@ __all__ = ["dump_step"]
 
 RESPONSE_FIELDS = ("prompts", "responses", "response_mask")
 """fetched from TransferQueue beside the signals, so that a dump can be read without the run's data"""
+ADVANTAGES = "advantages"
+"""also fetched where the batch already holds it (the trainer path dumps after the advantage is written back)"""
 
 
 def dump_step(dump_dir: str, step: int, batch, signals) -> None:
     """Write ``{dump_dir}/step_{step}.pt``: ``step``, ``keys`` (TransferQueue sample keys), the signals'
-    tensors and artifacts, ``prompts`` (token ids, a list per row), ``responses`` (token ids), ``response_mask`` and, when verl padded the batch,
-    ``real_rows``; every per-token tensor padded to (bs, response_len), on CPU."""
+    tensors and artifacts, ``prompts`` (token ids, a list per row), ``responses`` (token ids), ``response_mask``,
+    ``advantages`` (where the batch holds them: the trainer path) and, when verl padded the batch, ``real_rows``;
+    every per-token tensor padded to (bs, response_len), on CPU."""
     import torch
     import transfer_queue as tq
 
     os.makedirs(dump_dir, exist_ok=True)
     payload = {"step": step, "keys": list(batch.keys), **signals.tensors, **signals.artifacts}
-    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(RESPONSE_FIELDS))
+    fields = list(RESPONSE_FIELDS)
+    if batch.fields is not None and ADVANTAGES in batch.fields:
+        fields.append(ADVANTAGES)
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
     prompts = [row.tolist() for row in data["prompts"].unbind()]  # unpadded: a prompt's length is its own
     payload.update(data.exclude("prompts").to_padded_tensor())
     payload["prompts"] = prompts

@@ -7,7 +7,8 @@ no other flag, each registry entry becomes a *dispatcher*: a class whose constru
 configuration and returns
 
 - for an estimator that needs no token signal (grpo, gae, ...): an instance of verl's own class,
-  built exactly as verl would (``type(trainer) is PPOTrainerSync``);
+  built exactly as verl would (``type(trainer) is PPOTrainerSync``); when the run grades with verl-oar's math
+  reward, verl's class plus ``grading.GradingMixin`` (ungraded answers counted and left out of the update);
 - for a token-level estimator under ``sync``: ``OARTrainerSync``, verl's ``PPOTrainerSync`` plus three
   overridden methods that call ``super()`` (and CoDaSampling's, ``codapo_sampling``, inert unless on);
 - for a token-level estimator under any other mode: a start-up refusal (``validate``).
@@ -24,11 +25,15 @@ from __future__ import annotations
 
 import time
 
+from verl_oar.integration.grading import GradingMixin, grades_answers, max_ungraded_frac
 from verl_oar.integration.validate import LEGACY, check_token_signals_supported, estimator_name
 
 __all__ = ["LEGACY", "OAR_TRAINERS", "check_token_signals_supported", "install_legacy_guard", "install_trainer_hook"]
 
 OAR_TRAINERS: dict = {}
+GRADED_TRAINERS: dict = {}
+"""trainer mode -> verl's class plus ``grading.GradingMixin``, for a non-token estimator graded by verl-oar's
+math reward (any v1 mode)"""
 OWN_PREFIXES = ("cscr/", "oppo/", "acpo/", "codapo/")
 """estimator metrics logged under their method's own prefix; every other key goes under ``oar/``"""
 """trainer mode -> the class built for a token-level estimator (only ``sync``)"""
@@ -71,7 +76,12 @@ def _dispatcher(cls, mode: str):
     def __new__(klass, *args, **kwargs):
         config = kwargs["config"] if "config" in kwargs else args[0]
         if not check_token_signals_supported(config, mode):
-            return cls(*args, **kwargs)
+            if mode == LEGACY or not grades_answers(config):
+                return cls(*args, **kwargs)
+            max_ungraded_frac(config)    # a bad limit stops the run here, before any worker is built
+            if mode not in GRADED_TRAINERS:
+                GRADED_TRAINERS[mode] = type(cls.__name__, (GradingMixin, cls), {"__module__": __name__})
+            return GRADED_TRAINERS[mode](*args, **kwargs)
         if mode not in OAR_TRAINERS:
             OAR_TRAINERS[mode] = _oar_trainer_sync(cls)
         return OAR_TRAINERS[mode](*args, **kwargs)
@@ -90,11 +100,13 @@ def _oar_trainer_sync(base):
     from verl_oar.integration.dump import dump_step
     from verl_oar.integration.signals import TokenSignals, provide, real_rows, session_final_rows
 
-    class OARTrainerSync(CoDaSamplingMixin, base):
+    class OARTrainerSync(GradingMixin, CoDaSamplingMixin, base):
         """verl's sync trainer, plus token signals for estimators that declare them (and CoDaSampling)."""
 
         def __init__(self, config, *args, **kwargs):
             self._token_signals = check_token_signals_supported(config, "sync")
+            if grades_answers(config):
+                max_ungraded_frac(config)
             if self._token_signals:  # the pass's memory per GPU (memory_check); a bad VERL_OAR_MEMORY_CHECK stops
                 from verl_oar.integration.memory_check import check_action, log_startup_estimate
 

@@ -222,7 +222,7 @@ class FastTrainer:
             for guard in self.guards:
                 metrics.update(guard.observe(step, signals.metrics))
             if self.dump_dir:
-                _dump(self.dump_dir, step, keys, samples, mask, signals)
+                _dump(self.dump_dir, step, keys, samples, mask, signals, advantages)
         self.last_signals = signals
         return advantages
 
@@ -266,7 +266,7 @@ class FastTrainer:
         return compute_data_metrics(batch=batch, use_critic=False)
 
 
-def _dump(dump_dir: str, step: int, keys, samples, mask, signals) -> None:
+def _dump(dump_dir: str, step: int, keys, samples, mask, signals, advantages) -> None:
     """``integration.dump.dump_step``'s file, from this process's batch (no TransferQueue)."""
     import os
 
@@ -275,6 +275,7 @@ def _dump(dump_dir: str, step: int, keys, samples, mask, signals) -> None:
     for row, sample in enumerate(samples):
         responses[row, : len(sample.response_ids)] = torch.tensor(sample.response_ids)
     payload = {"step": step, "keys": list(keys), **signals.tensors, **signals.artifacts,
-               "responses": responses, "response_mask": mask, "prompts": [list(s.prompt_ids) for s in samples]}
+               "responses": responses, "response_mask": mask, "advantages": advantages,
+               "prompts": [list(s.prompt_ids) for s in samples]}
     torch.save({k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in payload.items()},
                os.path.join(dump_dir, f"step_{step}.pt"))
