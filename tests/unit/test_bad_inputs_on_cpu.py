@@ -170,3 +170,32 @@ def test_oar_p_refuses_multimodal_position_ids_with_the_fix(tokenizer):
     data["temperature"] = torch.ones(1)
     with pytest.raises(ValueError, match="1-D position ids.*multimodal rope.*adv_estimator=grpo"):
         score_micro_batch(None, data, PerturbationConfig(), 0, None, 1)
+
+
+def test_signals_of_other_rows_are_refused_rather_than_trained_on():
+    """Rows that moved between the importance pass and the advantage (verl #7956: pf-ppo resampling after the
+    advantage): the masks the workers built for a long row now sit on a shorter one and reach past its end."""
+    length = 6
+    reasoning = torch.zeros(2, length, dtype=torch.long)
+    answer = torch.zeros(2, length, dtype=torch.long)
+    reasoning[:, :4] = 1
+    answer[:, 4] = 1
+    mask = torch.ones(2, length)
+    _run_estimator([1.0, 0.0], torch.rand(2, length), reasoning, answer, length, mask=mask)   # lined up: fine
+    mask[1, 3:] = 0          # row 1 is really 3 tokens long: its signals belong to another row
+    with pytest.raises(RuntimeError, match=r"rows \[1\] reaches past the end .*use_pf_ppo=false"):
+        _run_estimator([1.0, 0.0], torch.rand(2, length), reasoning, answer, length, mask=mask)
+
+
+@pytest.mark.parametrize("estimator", ["oar_g", "oar_p", "codapo"])
+def test_pf_ppo_is_refused_for_the_plugins_estimators(estimator):
+    from _verl_config import compose_ppo_config
+
+    from verl_oar.integration.validate import check_token_signals_supported
+
+    config = compose_ppo_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.strategy=fsdp2",
+                                 "algorithm.use_pf_ppo=true"])
+    with pytest.raises(ValueError, match="use_pf_ppo=true cannot be combined .*#7956"):
+        check_token_signals_supported(config, "sync")
+    check_token_signals_supported(compose_ppo_config(["algorithm.adv_estimator=grpo", "algorithm.use_pf_ppo=true"]),
+                                  "sync")                                                   # verl's own: untouched

@@ -225,7 +225,35 @@ def current_signals(estimator: str, response_mask: torch.Tensor) -> TokenSignals
                 f"Token signal {name!r} has shape {tuple(tensor.shape)} but the estimator's batch has "
                 f"response shape {tuple(response_mask.shape)}; rows or padding do not line up."
             )
+    check_rows_line_up(signals, response_mask)
     return signals
+
+
+ROW_MASKS = ("oar_reasoning_mask", "oar_answer_mask")
+"""signals marking tokens of the row they were computed for: they must end where that row's response ends"""
+
+
+def check_rows_line_up(signals: TokenSignals, response_mask: torch.Tensor) -> None:
+    """RuntimeError when a row's ``ROW_MASKS`` reach past the last valid token of the response being reshaped: the
+    signal was computed for another row (rows resampled or reordered between the old-log-prob pass and the
+    advantage). A row-identity check: a mask the workers built from a row's own tokens ends within it."""
+    if response_mask.dim() != 2:
+        return
+    valid = response_mask.bool()
+    positions = torch.arange(valid.shape[1], device=valid.device)
+    ends = torch.where(valid.any(1), (positions * valid).amax(1) + 1, torch.zeros_like(valid[:, 0], dtype=torch.long))
+    past = positions[None, :] >= ends[:, None]
+    for name in ROW_MASKS:
+        tensor = signals.tensors.get(name, None)
+        if tensor is None or tensor.shape != valid.shape:
+            continue
+        bad = (tensor.bool() & past).any(1).nonzero().flatten().tolist()
+        if bad:
+            raise RuntimeError(
+                f"Token signal {name!r} of rows {bad[:5]} reaches past the end of the response being reshaped: the "
+                "signals were computed for other rows than the ones whose advantages are being computed (rows "
+                "resampled or reordered after the old-log-prob pass). Training on them would pair one response with "
+                "another's credit. Turn off whatever moves rows between the two (e.g. algorithm.use_pf_ppo=false).")
 
 
 def keyword_signals(name: str, response_mask: torch.Tensor, kwargs: dict) -> TokenSignals:

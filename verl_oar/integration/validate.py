@@ -39,6 +39,13 @@ def check_token_signals_supported(config, trainer_mode: str) -> tuple:
     providers = needed_signals(config.algorithm.adv_estimator, config.algorithm)
     name = estimator_name(config)
     validate_codapo(config, token_level=bool(providers))
+    if (providers or name == "codapo") and config.algorithm.get("use_pf_ppo", False):
+        raise ValueError(
+            f"algorithm.use_pf_ppo=true cannot be combined with algorithm.adv_estimator={name}: verl 0.9.1 applies "
+            "pf-ppo's resampling only to GAE's advantages (ray_trainer.compute_advantage) and otherwise ignores it, "
+            "and where it resamples rows after the advantage its v1 trainer writes the advantages back by the "
+            "original keys, pairing each response with another's credit (verl issue #7956). Set "
+            "algorithm.use_pf_ppo=false.")
     if not providers:
         return ()
     if trainer_mode == LEGACY:
