@@ -65,6 +65,33 @@ def test_codapo_estimator_is_the_question_value_times_grpo():
     assert 0.2 <= signals.metrics["codapo/value/min"] <= signals.metrics["codapo/value/max"] <= 1.2
 
 
+def test_codapo_with_rewards_that_are_not_0_1_stops_naming_the_key_or_follows_the_threshold():
+    """A 0/1 reward plus a 0.1 format bonus: under the authors' rule every bonus-carrying answer would count wrong and
+    CoDaPO would become a constant times GRPO; the batch is refused naming ``right_threshold``, and with
+    ``right_threshold=1.0`` the right answers (1.0, 1.1) count as right."""
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    from verl_oar.core.codapo import question_values, right_answers
+    from verl_oar.core.oppo import group_ids
+    from verl_oar.integration.signals import TokenSignals, provide
+
+    rewards, mask, index, g = _batch(2)
+    bonus = rewards + 0.1 * (rewards.sum(1, keepdim=True) >= 0) * (rewards != 0).float()   # 1 -> 1.1
+    last = mask.long().sum(1) - 1
+    bonus[torch.arange(len(last)), last] += 0.1 * (rewards.sum(1) == 0).float()           # 0 -> 0.1 (format ok)
+    old = -torch.rand(mask.shape, generator=g) * mask
+    signals = TokenSignals(tensors={"old_log_probs": old, "rm_scores": bonus})
+    with provide(signals), pytest.raises(ValueError, match="right_threshold"):
+        get_adv_estimator_fn("codapo")(bonus, mask, index, config={"codapo": {}})
+    with provide(signals):
+        get_adv_estimator_fn("codapo")(bonus, mask, index, config={"codapo": {"right_threshold": 1.0}})
+    expected, _ = question_values(rewards.sum(1), old, mask, group_ids(list(index)))     # the 0/1 reward's values
+    got, _ = question_values(bonus.sum(1), old, mask, group_ids(list(index)), right_threshold=1.0)
+    torch.testing.assert_close(got, expected)
+    assert signals.metrics["codapo/accuracy/mean"] == pytest.approx(float(right_answers(rewards.sum(1)).mean()))
+    assert right_answers(torch.tensor([1.0, 0.0, -1.0])).tolist() == [1.0, 0.0, 0.0]     # 0/1 and -1/1: fine
+
+
 def test_compose_multiplies_any_token_estimators_advantages_by_the_value():
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 

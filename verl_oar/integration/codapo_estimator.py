@@ -35,7 +35,8 @@ def question_value(b: EstimatorBatch) -> torch.Tensor:
     """(bs,) float32 v_q of every row's question; logs ``codapo/*`` and keeps ``codapo_value`` for dumps."""
     cfg = CoDaPOConfig.from_algorithm(b.algorithm)
     rewards = verifier_rewards(b.signals, b.response_mask)  # not token_level_rewards: KL-free, so a right answer is 1.0
-    value, parts = question_values(rewards, b["old_log_probs"], b.response_mask, b.groups, cfg.weight_offset)
+    value, parts = question_values(rewards, b["old_log_probs"], b.response_mask, b.groups, cfg.weight_offset,
+                                   cfg.right_threshold)
     b.signals.metrics.update(codapo_stats(*b.real(value, parts)))
     b.signals.artifacts.update(codapo_value=value.float(), rewards=rewards)
     return value.float()

@@ -172,7 +172,8 @@ def read_step(batch, cfg: CoDaPOConfig) -> tuple[dict[str, float], dict[str, flo
     uids = [str(k).split("_")[0] for k in keys]  # verl's key {uid}_{session}_{index}
     mask = data["response_mask"].bool()
     rewards = (data["rm_scores"].float() * mask).sum(-1)
-    value, _ = question_values(rewards, data["old_log_probs"], mask, group_ids(uids), cfg.weight_offset)
+    value, _ = question_values(rewards, data["old_log_probs"], mask, group_ids(uids), cfg.weight_offset,
+                               cfg.right_threshold)
     usage = {"codapo/sampling/rollouts": float(len(keys)), "codapo/sampling/response_tokens": float(mask.sum()),
              "codapo/sampling/reward": float(rewards.mean()) if len(rewards) else 0.0}
     return {u: float(v) for u, v in zip(uids, value.tolist())}, usage
