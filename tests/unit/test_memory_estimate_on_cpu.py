@@ -270,7 +270,7 @@ def test_oar_p_pass_peak_and_tokens(dtype, mode, response):
     and exactly the tokens the planner feeds (``chunk`` / ``exact``; ``hierarchical`` refines data-dependent chunks,
     the estimate assumes evenly spread ones)."""
     measured, predicted, fed, counted = _oar_p_measured(dtype, mode, response, budget=4)
-    assert 0.9 * measured <= predicted <= 1.25 * measured, (predicted, measured)
+    assert measured <= predicted <= 1.25 * measured, (predicted, measured)   # never under: GPUs are sized by it
     if mode != "hierarchical":
         assert counted == pytest.approx(fed, rel=1e-9)
     else:

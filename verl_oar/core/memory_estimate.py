@@ -57,7 +57,8 @@ Per estimator, the pass and its peak (``estimate``):
   ``rows N (P + N)``, and in attention its float copy and the KV heads repeated to all heads); after it, a call
   that returns its caches holds them three times (the model's, the stacked layers, the per-row copies) beside its
   logits ``rows a V b``; then its logits reduced in fp32 (``rows a V (b + 12)``, rough: one call's logits at a
-  time, nothing of size V outliving the call). The whole pass is within about 10% of a measured one (CPU test).
+  time, nothing of size V outliving the call), plus a 5% margin (``OAR_P_MARGIN``). The whole pass is at or up to
+  25% above a measured one, never below (CPU test; the measured margins are in docs/benchmarks.md).
 - ``acpo`` (modal): verl's pass plus one fp32 block of ``acpo_block_bytes`` (``rows = block // (4 V)`` rows: the
   block's shifted values, written into one buffer reused by every block, the fp32 copy of bf16 logits made in it),
   one (rows,) row statistic at a time, the (T,) fp32 result and the (T,) reciprocal temperatures -- equal to the
@@ -393,8 +394,13 @@ def _oar_p_rounds(run: RunShape, s: EstimatorSettings) -> tuple[list[tuple[list[
     return rounds, budget
 
 
+OAR_P_MARGIN = 0.05
+"""added to OAR-P's largest call: measured CPU peaks lay up to 2.5% above its named terms (the calls' int64 ids and
+positions, index tensors, allocator rounding); with it the estimate is never below a measured peak (CPU test)"""
+
+
 def _oar_p(model: ModelShape, run: RunShape, s: EstimatorSettings) -> list[Term]:
-    """The largest call of the planned calls, with the caches held around it."""
+    """The largest call of the planned calls, with the caches held around it, plus ``OAR_P_MARGIN``."""
     c = model.kv_cache_per_token(run.dtype_bytes)
     rounds, budget = _oar_p_rounds(run, s)
     best: list[Term] = []
@@ -406,7 +412,8 @@ def _oar_p(model: ModelShape, run: RunShape, s: EstimatorSettings) -> list[Term]
                 terms = _call_terms([rows[i] for i in call], held, model, run)
                 if sum(t.bytes for t in terms) > sum(t.bytes for t in best):
                     best = terms
-    return best
+    margin = math.ceil(OAR_P_MARGIN * sum(t.bytes for t in best))
+    return [*best, Term("small tensors and rounding (5% margin)", margin, rough=True)] if best else best
 
 
 def oar_p_cost_passes(run: RunShape, s: EstimatorSettings) -> float:
