@@ -5,6 +5,7 @@ with the package's math reward and answer locator; ``--json`` prints the same re
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,8 +15,23 @@ import pytest
 from verl_oar.cpu.recipe import RECIPES_DIR, recipe_names
 from verl_oar.tools import check
 
-MODEL = Path(check.__file__).resolve().parents[1] / "testbed" / "start" / "model"
-"""a tiny local model with config.json and tokenizer (the testbed's committed start)"""
+TINY = Path(check.__file__).resolve().parents[1] / "testbed" / "start" / "model"
+"""a tiny local model with config.json and tokenizer (the testbed's committed start; a 256-token context)"""
+
+
+def _stand_in(context: int = 4096) -> Path:
+    """The tiny model with Qwen2.5-Math's 4096-token context in its config.json, so that the recipes' lengths
+    (1024 + 3072) fit it as they fit the real model; its other files are links to the tiny model's."""
+    folder = Path(tempfile.mkdtemp(prefix="verl_oar_check_model_"))
+    for item in TINY.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((TINY / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+    return folder
+
+
+MODEL = _stand_in()
 RECIPE = ["--config-path", str(RECIPES_DIR / "config"), "--config-name"]
 
 
@@ -57,8 +73,43 @@ def test_an_estimator_refusal_exits_1_with_the_message_and_no_traceback(tmp_path
     assert status == 1 and not report["ok"]
     assert report["refusal"]["stage"] == "verl-oar"
     assert "Set trainer.v1.trainer_mode=sync" in report["refusal"]["message"]  # the plugin's own cause and fix
+    lines = check.render(report).splitlines()
+    assert lines[-2].startswith("REFUSED (verl-oar): algorithm.adv_estimator=oar_p needs per-token")
+    assert lines[-1] == "1 problem: the run would not start (exit 1)"
+
+
+def test_three_problems_at_once_are_all_reported_in_one_pass():
+    """One of verl's workers' assumptions (``rollout.n=0``: verl's own checks let it pass, and the recipe's dynamic
+    batch size skips its batch-size checks) and two of the plugin's (a mistyped key, a value out of range): every
+    one printed with its fix, exit 1. Each alone is also refused: nothing is reported only in company."""
+    problems = ["actor_rollout_ref.rollout.n=0", "+algorithm.oar.tua=0.5", "algorithm.oar.perturb_mode=everything"]
+    argv = [*RECIPE, "qwen2_5_math_1_5b_oar_g", f"actor_rollout_ref.model.path={MODEL}"]
+    status, report = check.check([*argv, *problems])
+    assert status == 1 and not report["ok"]
+    messages = [p["message"] for p in report["refusals"]]
+    assert len(messages) == 3, messages
+    assert any("rollout.n=0" in m and "Set rollout.n" in m for m in messages)
+    assert any("Unknown key(s) algorithm.oar.tua" in m for m in messages)
+    assert any("perturb_mode" in m and "everything" in m for m in messages)
     text = check.render(report)
-    assert text.splitlines()[-1].startswith("REFUSED (verl-oar): algorithm.adv_estimator=oar_p needs per-token")
+    assert text.count("REFUSED (") == 3 and text.splitlines()[-1] == "3 problems: the run would not start (exit 1)"
+    for problem in problems:
+        alone, report = check.check([*argv, problem])
+        assert alone == 1 and len(report["refusals"]) == 1, (problem, report["refusals"])
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["actor_rollout_ref.rollout.n=1"], "rollout.n=1 with algorithm.adv_estimator=oar_g"),
+    (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.ppo_mini_batch_size=1"], "does not split over 3"),
+    (["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"], "would not fill one mini-batch"),
+    (["actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+     "not a multiple of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"),
+    (["data.max_response_length=4000"], "more than the model's context (4096"),
+])
+def test_what_verls_workers_assume_is_checked_with_dynamic_batch_size_or_not(overrides, needle):
+    argv = [*RECIPE, "qwen2_5_math_1_5b_oar_g", f"actor_rollout_ref.model.path={MODEL}", *overrides]
+    status, report = check.check(argv)
+    assert status == 1 and any(needle in p["message"] for p in report["refusals"]), report["refusals"]
 
 
 def test_a_bad_oar_key_and_a_bad_override_are_refusals_not_stack_traces(capsys):

@@ -31,6 +31,41 @@ def algorithm_node(algorithm: Mapping[str, Any] | None, node: str, cls: type, do
     return raw
 
 
+def node_problems(algorithm: Mapping[str, Any] | None, node: str, cls: type, docs: str) -> tuple[list[str], dict]:
+    """Every problem of ``algorithm.<node>`` at once (a preflight's view; the run itself stops at the first):
+    unknown keys (one message listing all); then, if the known keys do not make a valid ``cls`` together, each
+    key's value checked alone, and what remains checked together. Returns ``(messages, the node's good keys)``."""
+    raw = dict(((algorithm or {}).get(node, None) or {}).items())
+    valid = {f.name for f in fields(cls)}
+    problems = []
+    try:
+        algorithm_node({node: raw}, node, cls, docs)
+    except ValueError as err:
+        problems.append(str(err))
+    known = {k: v for k, v in raw.items() if k in valid}
+    try:
+        cls(**known)
+        return problems, known
+    except (TypeError, ValueError) as err:
+        together = str(err)
+    good = {}
+    for key, value in known.items():
+        try:
+            cls(**{key: value})
+            good[key] = value
+        except (TypeError, ValueError) as err:
+            problems.append(str(err))
+    if len(good) == len(known):          # no key is bad alone: the combination is
+        problems.append(together)
+        return problems, {}
+    try:
+        cls(**good)
+    except (TypeError, ValueError) as err:
+        problems.append(str(err))
+        return problems, {}
+    return problems, good
+
+
 @dataclass(frozen=True)
 class OARConfig:
     """Everything OAR reads from ``algorithm.oar``; defaults follow the paper's best setting."""

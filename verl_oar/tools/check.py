@@ -4,9 +4,12 @@
 
 Takes the Hydra overrides of ``python -m verl.trainer.main_ppo`` (and a recipe's ``--config-path`` /
 ``--config-name``), composes the config as main_ppo does (verl's ``trainer/config/ppo_trainer.yaml`` unless a
-config is named) and runs, in order, what the run's start-up runs before any GPU is used:
+config is named) and runs, in order, what the run's start-up runs before any GPU is used, reporting every problem
+it finds in one pass (the run itself stops at the first):
 
-1. verl's own ``validate_config`` and the typed actor / rollout configs its workers build;
+1. verl's own ``validate_config`` and the typed actor / rollout configs its workers build, and what verl's trainer
+   and engine workers assume of batch sizes and lengths at their first step, dynamic batch size or not
+   (``tools.check_batches``: ``rollout.n``, the mini-batch over data-parallel ranks, micro-batches, the context);
 2. the plugin's load and every start-up refusal of the estimator
    (``integration.validate.check_token_signals_supported``: trainer mode, ``algorithm.<method>.*`` keys,
    engine settings, each signal's checks), ``VERL_OAR_MEMORY_CHECK``, the no-answer guard's settings;
@@ -15,7 +18,7 @@ config is named) and runs, in order, what the run's start-up runs before any GPU
    a hub id that is not in the local cache is reported and its memory lines skipped (nothing is downloaded);
 4. a sample of ``data.train_files`` and optional responses (``tools.check_data``).
 
-Exit status: 0 the run would start; 1 it would not (the refusal's message: cause and fix); 2 bad flags.
+Exit status: 0 the run would start; 1 it would not (every problem's message: cause and fix); 2 bad flags.
 What only the GPUs check (the workers' memory comparison with their device, the worker classes verl picks,
 vLLM, NCCL) is listed in the report.
 """
@@ -128,23 +131,41 @@ def estimator_name(config) -> str:
 
 
 def resolved_settings(config) -> dict:
-    """{"algorithm.<node>": the typed config's values} of the estimator (and of CoDaPO when composed)."""
+    """{"algorithm.<node>": the typed config's values} of the estimator (and of CoDaPO when composed); {} when a
+    node does not parse (its problems are reported)."""
+    classes = _config_classes()
+    try:
+        return {f"algorithm.{n}": classes[n].from_algorithm(config.algorithm).to_dict() for n in _estimator_nodes(config)}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _config_classes() -> dict:
     from verl_oar.core.acpo import ACPOConfig
     from verl_oar.core.codapo import CoDaPOConfig
     from verl_oar.core.config import OARConfig
     from verl_oar.core.cscr import CSCRConfig
     from verl_oar.core.oppo import OPPOConfig
 
-    classes = {"oar": OARConfig, "cscr": CSCRConfig, "oppo": OPPOConfig, "acpo": ACPOConfig, "codapo": CoDaPOConfig}
+    return {"oar": OARConfig, "cscr": CSCRConfig, "oppo": OPPOConfig, "acpo": ACPOConfig, "codapo": CoDaPOConfig}
+
+
+def _estimator_nodes(config) -> list[str]:
     name = estimator_name(config)
     nodes = [TOKEN_CONFIGS[name]] if name in TOKEN_CONFIGS else []
     if name != "codapo" and config.algorithm.get("codapo", None):
         nodes.append("codapo")
-    return {f"algorithm.{n}": classes[n].from_algorithm(config.algorithm).to_dict() for n in nodes}
+    return nodes
 
 
-def run_refusals(config) -> list[str]:
-    """Every start-up check the run makes before its GPUs are used; returns what passed, raises Refusal."""
+def run_refusals(config, problems: list[dict], model_config=None) -> list[str]:
+    """Every start-up check the run makes before its GPUs are used, all of them: returns what passed and appends
+    each problem (``{"stage", "message"}``) to ``problems``. ``model_config``: the model's transformers config when
+    it is on this machine (its context length), else None."""
+    from omegaconf import OmegaConf
+
+    from verl_oar.tools.check_batches import batch_problems
+
     passed = []
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -153,35 +174,57 @@ def run_refusals(config) -> list[str]:
         validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
         omega_conf_to_dataclass(config.actor_rollout_ref.actor)
         omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+        passed.append("verl's validate_config and the actor / rollout configs")
     except Exception as err:  # noqa: BLE001 - verl's checks raise assorted types; each is a refusal
-        raise Refusal("verl", f"verl's own config check refused it: {type(err).__name__}: {_first_lines(err, 6)}") from None
-    passed.append("verl's validate_config and the actor / rollout configs")
+        problems.append({"stage": "verl", "message": f"verl's own config check refused it: {type(err).__name__}: "
+                                                     f"{_first_lines(err, 6)}"})
+    found = batch_problems(config, model_config)
+    problems += [{"stage": "verl workers", "message": message} for message in found]
+    if not found:
+        passed.append("the batch sizes and lengths verl's trainer and workers assume at their first step")
 
     import verl.trainer.ppo.core_algos  # noqa: F401  (the plugin registers its estimators on this import)
 
     from verl_oar.integration import plugin
 
     if plugin.LOAD_ERROR:
-        raise Refusal("plugin", "the verl-oar plugin failed to load, so its estimators refuse to run: "
-                                f"{plugin.LOAD_ERROR.strip().splitlines()[-1]}. Reinstall it (pip install -e .) in "
-                                "the environment verl runs in.")
+        problems.append({"stage": "plugin", "message": "the verl-oar plugin failed to load, so its estimators refuse "
+                         f"to run: {plugin.LOAD_ERROR.strip().splitlines()[-1]}. Reinstall it (pip install -e .) in "
+                         "the environment verl runs in."})
+        return passed
+    from verl_oar.core.config import node_problems
     from verl_oar.integration.validate import LEGACY, check_token_signals_supported
 
+    classes = _config_classes()
+    cleaned = config
+    for node in _estimator_nodes(config):
+        messages, good = node_problems(config.algorithm, node, classes[node], f"docs/algo/{node}.md")
+        problems += [{"stage": "verl-oar", "message": m} for m in messages]
+        if messages:  # check the rest of the run as if the bad keys were not there
+            cleaned = OmegaConf.create(OmegaConf.to_container(cleaned, resolve=False))
+            OmegaConf.update(cleaned, f"algorithm.{node}", good, merge=False, force_add=True)
     v1 = config.trainer.get("v1", None) or {}
     mode = str(v1.get("trainer_mode", "sync")) if config.trainer.get("use_v1", True) else LEGACY
+    providers = ()
     try:
-        providers = check_token_signals_supported(config, mode)
+        providers = check_token_signals_supported(cleaned, mode)
         if providers:
             from verl_oar.integration.codapo_sampling import sampling_config
             from verl_oar.integration.memory_check import check_action
 
             check_action()
-            sampling_config(config)
+            sampling_config(cleaned)
             for provider in providers:
                 if provider.guard is not None:
-                    provider.guard(config)
+                    provider.guard(cleaned)
+        from verl_oar.integration.grading import grades_answers, max_ungraded_frac
+
+        if grades_answers(cleaned):
+            max_ungraded_frac(cleaned)
     except ValueError as err:
-        raise Refusal("verl-oar", str(err)) from None
+        if not any(p["message"] == str(err) for p in problems):
+            problems.append({"stage": "verl-oar", "message": str(err)})
+        return passed
     if providers:
         passed.append(f"verl-oar's start-up checks of {estimator_name(config)} "
                       f"({', '.join(p.name for p in providers)}; trainer mode {mode})")
@@ -258,46 +301,55 @@ def check(argv: Sequence[str]) -> tuple[int, dict]:
     source = (f"{args.config_path}/{args.config_name}.yaml" if args.config_path else
               f"verl's {args.config_name or 'ppo_trainer'}")
     report: dict = {"ok": False, "config": source, "overrides": overrides, "estimator": None, "settings": {},
-                    "passed": [], "refusal": None, "startup_block": None, "memory_verdict": None, "notes": [],
+                    "passed": [], "refusal": None, "refusals": [], "startup_block": None, "memory_verdict": None, "notes": [],
                     "data": None, "responses": None, "gpu_only": list(GPU_ONLY)}
     try:
         with contextlib.redirect_stdout(sys.stderr):  # verl's checks print; stdout is the report's (--json)
             _check(args, overrides, report)
     except Refusal as refusal:
-        report["refusal"] = {"stage": refusal.stage, "message": str(refusal)}
-        return 1, report
+        report["refusals"].append({"stage": refusal.stage, "message": str(refusal)})
     except Exception as err:  # noqa: BLE001 - never a bare stack trace: say what failed and how to see more
         if args.traceback:
             traceback.print_exc()
-        report["refusal"] = {"stage": "unexpected", "message": f"{type(err).__name__}: {_first_lines(err, 6)} "
-                                                               "(rerun with --traceback for the stack)"}
+        report["refusals"].append({"stage": "unexpected", "message": f"{type(err).__name__}: {_first_lines(err, 6)} "
+                                                                     "(rerun with --traceback for the stack)"})
+    if report["refusals"]:
+        report["refusal"] = report["refusals"][0]
         return 1, report
     report["ok"] = True
     return 0, report
 
 
 def _check(args: argparse.Namespace, overrides: list[str], report: dict) -> None:
-    """Fill ``report`` stage by stage; raise :class:`Refusal` at the first check that stops the run."""
+    """Fill ``report`` stage by stage, every problem into ``report["refusals"]``; raise :class:`Refusal` only where
+    nothing after it can be checked (a config that does not compose)."""
     config = compose(args.config_path, args.config_name, overrides)
+    problems = report["refusals"]
     report["estimator"] = estimator_name(config)
-    report["passed"] = run_refusals(config)
+    model = config.actor_rollout_ref.model
+    model_config, _ = local_model_config(str(model.path), bool(model.get("trust_remote_code", False)))
+    report["passed"] = run_refusals(config, problems, model_config)
     report["settings"] = resolved_settings(config)
     from verl_oar.integration.signals import needed_signals
 
-    if needed_signals(config.algorithm.adv_estimator, config.algorithm):
-        gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
-        report["startup_block"], report["notes"], report["memory_verdict"] = memory_block(config, gpu)
+    if report["settings"] or not any(p["stage"] == "verl-oar" for p in problems):
+        try:
+            if needed_signals(config.algorithm.adv_estimator, config.algorithm):
+                gpu = None if args.gpu_memory is None else int(args.gpu_memory * 2**30)
+                report["startup_block"], report["notes"], report["memory_verdict"] = memory_block(config, gpu)
+        except Refusal as refusal:
+            problems.append({"stage": refusal.stage, "message": str(refusal)})
     data = sample_train_file(config, args.sample)
     report["data"] = data
     if data["refusal"]:
-        raise Refusal("data", data["refusal"])
+        problems.append({"stage": "data", "message": data["refusal"]})
     if args.responses:
         try:
             texts = read_responses(args.responses, args.response_key, args.sample)
             spec = (config.algorithm.get("oar", None) or {}).get("answer_locator", None)
             report["responses"] = {"file": args.responses, **locate_answers(texts, spec)}
         except ValueError as err:
-            raise Refusal("responses", str(err)) from None
+            problems.append({"stage": "responses", "message": str(err)})
 
 
 def render(report: dict) -> str:
@@ -329,8 +381,9 @@ def render(report: dict) -> str:
         out.append("  GPU only     " + "; ".join(report["gpu_only"]))
         out.append("OK: the run would start (exit 0)")
     else:
-        ref = report["refusal"]
-        out.append(f"REFUSED ({ref['stage']}): {ref['message']}")
+        count = len(report["refusals"])
+        out += [f"REFUSED ({ref['stage']}): {ref['message']}" for ref in report["refusals"]]
+        out.append(f"{count} problem{'s' if count > 1 else ''}: the run would not start (exit 1)")
     return "\n".join(out)
 
 
