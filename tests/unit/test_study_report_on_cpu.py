@@ -140,3 +140,7 @@ def test_replication_runners_and_growth_tables_render_once_their_runs_exist():
     assert "The runners over whole runs, fill32 (seeds 7000-7003" in text
     assert "| GRPO (0.001) | 14.50 (14.50) | +0.0% [+0.0%, +0.0%] | +0.00 [+0.00, +0.00] |" in text
     assert "R2, fill64: OAR-G against tuned GRPO" in text
+    headline = study_report.replication_headline(study_report.sa.analyse_replication(runs))
+    assert headline.startswith("On 6 fresh seeds (4000-4005), OAR-G needs ")
+    assert "pooled over both seed blocks (12 seeds)" in headline
+    assert any(words in headline for words in study_report.VERDICT_WORDS.values()), headline

@@ -166,6 +166,25 @@ def replication_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+VERDICT_WORDS = {"faster": "faster than GRPO", "slower": "slower than GRPO",
+                 "inconclusive": "not shown to differ from GRPO (the interval covers 0)"}
+
+
+def replication_headline(rep: dict, method: str = "oar_g") -> str:
+    """README's study headline, rendered from R1's analysis (a test keeps README equal to it): the replication's
+    estimate and interval, its verdict, the original figure and the pooled one."""
+    c = rep[method]
+    seeds = c["seeds"]
+    text = (f"On {len(seeds)} fresh seeds ({seeds[0]}-{seeds[-1]}), {_label(method)} needs "
+            f"{_iv(c['relative_steps'], pct=True)} steps to the threshold against tuned GRPO (95%, paired): "
+            f"{VERDICT_WORDS[c['verdict']]}.")
+    if "original" in c:
+        text += (f" The original evaluation's {_iv(c['original'], pct=True)} ({100 * c['original']['level']:.2f}%) "
+                 f"was the best of many cells; pooled over both seed blocks ({c['pooled_seeds']} seeds), "
+                 f"{_iv(c['pooled'], pct=True)}.")
+    return text
+
+
 def runners_table(runners: dict) -> str:
     """The two runners over whole runs: main_ppo against the fast runner, same method, seeds and rate."""
     first = next(iter(runners.values()))
