@@ -157,3 +157,59 @@ def test_what_import_verl_loads_of_the_plugin(cpu_mode, request):
         assert heavy and all(m.startswith("verl_oar.cpu") for m in heavy), heavy
     else:
         assert heavy == [], heavy
+
+
+def _module_name(path: Path) -> str:
+    parts = ("verl_oar", *path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_cycles() -> list[list[str]]:
+    """Import cycles between the package's modules (any import, at any depth; ``EXCEPTIONS`` edges left out)."""
+    modules = {_module_name(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        rel = path.relative_to(PACKAGE).as_posix()
+        edges = set()
+        for imported in _imports(path):
+            if any(rel == r and (imported == m or imported.startswith(m + ".")) for r, m in EXCEPTIONS):
+                continue
+            if imported in modules and imported != name and modules[imported].name != "__init__.py":
+                edges.add(imported)
+        graph[name] = edges
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    """A module that reaches itself through its imports (``a`` imports ``b`` imports ``a``, even inside a function)
+    ties the two into one piece: a layering meant to be one-way must have no cycle (packages' ``__init__`` left
+    out: importing a sibling through its package is not a dependency on the package's other modules)."""
+    assert _module_cycles() == []
+
+
+def test_the_cycle_check_sees_two_modules_importing_each_other_inside_functions():
+    a, b = PACKAGE / "tools" / "x_cycle_a.py", PACKAGE / "tools" / "x_cycle_b.py"
+    a.write_text("def f():\n    from verl_oar.tools.x_cycle_b import g\n")
+    b.write_text("def g():\n    from verl_oar.tools import x_cycle_a\n")
+    try:
+        cycles = _module_cycles()
+    finally:
+        a.unlink()
+        b.unlink()
+    assert ["verl_oar.tools.x_cycle_a", "verl_oar.tools.x_cycle_b", "verl_oar.tools.x_cycle_a"] in cycles

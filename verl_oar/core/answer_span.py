@@ -92,6 +92,7 @@ __all__ = [
     "AnswerSpan",
     "answer_token_masks",
     "decode_with_offsets",
+    "token_texts",
     "find_answer_span",
     "format_answer_span",
     "line_break_tokens",
@@ -575,6 +576,12 @@ def token_char_offsets(token_ids: Sequence[int], tokenizer: Any) -> list[tuple[i
     """Character span ``(start, end)`` of each token in ``tokenizer.decode(token_ids,
     skip_special_tokens=False, clean_up_tokenization_spaces=False)`` (see :func:`decode_with_offsets`)."""
     return decode_with_offsets(token_ids, tokenizer, skip_special_tokens=False)[1]
+
+
+def token_texts(token_ids: Sequence[int], tokenizer: Any) -> list[str]:
+    """The text each token produced (special tokens included), as :func:`decode_with_offsets` splits it."""
+    text, offsets = decode_with_offsets(token_ids, tokenizer, skip_special_tokens=False)
+    return [text[start:end] for start, end in offsets]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ import torch
 from torch import Tensor
 
 from verl_oar.core.answer_locator import load_answer_locator
-from verl_oar.core.answer_span import decode_with_offsets, line_break_tokens, locate_answer_tokens
+from verl_oar.core.answer_span import line_break_tokens, locate_answer_tokens, token_texts
 from verl_oar.core.config import OARConfig
 from verl_oar.core.gradient import GradientConfig
 from verl_oar.core.hf import can_share_prefix, hf_importance
@@ -391,12 +391,6 @@ def load_oracle(spec: str) -> Oracle:
     if not callable(oracle):
         raise HeatmapInputError(f"--oracle {spec!r}: {name} is not a function")
     return oracle
-
-
-def token_texts(response_ids: Sequence[int], tokenizer) -> list[str]:
-    """The text each response token produced (special tokens included)."""
-    text, offsets = decode_with_offsets(response_ids, tokenizer, skip_special_tokens=False)
-    return [text[start:end] for start, end in offsets]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -152,7 +152,7 @@ def dump_records(data: dict[str, Any], tokenizer, rows: Sequence[int] | None = N
     bad = [r for r in rows if not 0 <= r < bs]
     if bad:
         raise DumpError(f"--rows {','.join(map(str, bad))}: out of range, the dump has {bs} rows (0..{bs - 1})")
-    from verl_oar.tools.heatmap import token_texts
+    from verl_oar.core.answer_span import token_texts
 
     records = []
     for row in rows:
