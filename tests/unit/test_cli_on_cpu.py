@@ -1,4 +1,4 @@
-"""The ``verl-oar`` console script (verl_oar/tools/cli.py): its help lists the commands, each command is its
+"""The ``verl-oar`` console script (verl_oar/app/cli.py): its help lists the commands, each command is its
 module's own ``main`` with the arguments passed on unchanged, and the installed script is the same entry."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from verl_oar.tools import cli
+from verl_oar.app import cli
 
 COMMANDS = ("demo", "check", "compare", "heatmap", "prepare-model")
 
 
 def test_help_lists_every_command_without_loading_verl_or_torch():
-    code = ("import sys; from verl_oar.tools import cli; status = cli.main(['--help']); "
+    code = ("import sys; from verl_oar.app import cli; status = cli.main(['--help']); "
             "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'verl', 'transformers')]; "
             "print('HEAVY', heavy); raise SystemExit(status)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -41,7 +41,7 @@ def test_each_command_is_its_modules_main_with_the_arguments_passed_on(name, cap
         cli.main([name, "--help"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    module = {"demo": "verl_oar.testbed.demo", "check": "verl_oar.tools.check", "compare": "verl_oar.tools.compare",
+    module = {"demo": "verl_oar.testbed.demo", "check": "verl_oar.tools.check", "compare": "verl_oar.app.compare",
               "heatmap": "verl_oar.tools.heatmap", "prepare-model": "verl_oar.tools.prepare_model"}[name]
     assert cli.COMMANDS[name][0] == module
     assert out.startswith("usage: ") and "--" in out  # argparse's help of that module

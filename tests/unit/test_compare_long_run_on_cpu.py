@@ -30,7 +30,7 @@ def _write_run(path: Path, run: dict) -> None:
 
 @pytest.mark.slow  # 10,000-resample bootstraps of every measure in pure Python: about 30-50 s on 2 cores
 def test_compare_reproduces_the_committed_long_runs_comparison(tmp_path):
-    from verl_oar.tools.compare import parse_args, summarize
+    from verl_oar.app.compare import parse_args, summarize
 
     results = json.loads((ROOT / "benchmarks" / "results_testbed_long_run_cpu.json").read_text())
     methods = ["grpo", "oar_g"]

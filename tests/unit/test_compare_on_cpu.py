@@ -1,4 +1,4 @@
-"""``verl-oar compare`` (verl_oar/tools/compare.py) on runs written by verl's own file logger
+"""``verl-oar compare`` (verl_oar/app/compare.py) on runs written by verl's own file logger
 (``verl.utils.tracking.FileLogger``, the writer of ``trainer.logger=[console,file]``): grouping by name and seed,
 a paired interval checked by hand, the flags, the outputs, and bad input refused with the fix."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_oar.tools import compare
+from verl_oar.app import compare
 
 STEPS = 8
 

@@ -20,6 +20,7 @@ from verl_oar.core.answer_locator import load_answer_locator
 from verl_oar.core.config import OARConfig, neutral_token_id
 from verl_oar.engines.backend import importance_pass
 from verl_oar.engines.inputs import add_outcome_masks, nested, remove_masks
+from verl_oar.engines.rank_errors import raised_on_every_rank
 
 METHODS = ("gradient", "perturbation")
 """How importance is measured: OAR-G (one input gradient) or OAR-P (occlusion)."""
@@ -87,9 +88,10 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
 
     tokenizer = worker.model_config.tokenizer
     perturb = method == "perturbation"
-    reasoning, answer, answer_source = add_outcome_masks(
-        data, tokenizer, load_answer_locator(cfg.answer_locator), line_ends=perturb and cfg.perturb_mode == "line"
-    )
+    with raised_on_every_rank():  # the rank's own rows (and locator), before the pass's first collective
+        reasoning, answer, answer_source = add_outcome_masks(
+            data, tokenizer, load_answer_locator(cfg.answer_locator), line_ends=perturb and cfg.perturb_mode == "line"
+        )
     if perturb:
         neutral = neutral_token_id(cfg, tokenizer)
         token_budget, rows_budget = _perturbation_budget(data, cfg)

@@ -93,13 +93,15 @@ def _stand_in(mask: torch.Tensor) -> torch.Tensor:
 
 
 def gradient_micro_batch(
-    engine, micro_batch: TensorDict, cfg: OARConfig, step: int, with_log_probs: bool, peers=None
+    engine, micro_batch: TensorDict, cfg: OARConfig, step: int, with_log_probs: bool, peers=None, errors=None
 ) -> tuple[torch.Tensor, dict | None]:
     """Importance of one micro-batch: nested (bs, seq_len) float32, 0 outside reasoning tokens.
 
     ``peers`` (an ``engines.fsdp.lockstep.Lockstep``, or None on one rank / with gathered parameters):
     every rank asks it once per micro-batch whether any rank differentiates; if one does, so does this
-    rank (on a stand-in when it has nothing to score).
+    rank (on a stand-in when it has nothing to score). ``errors`` (an ``engines.rank_errors.RankErrors``, or
+    None): :meth:`OutcomeHead.check` on this rank's rows is deferred to it, so that a failing rank makes the same
+    calls as the others until the pass's end, where every rank raises.
 
     With ``with_log_probs`` the pass also yields verl's log-prob outputs (``log_probs``, and
     ``entropy`` if the batch asks for it, nested (bs, seq_len)), exactly as verl's ``forward_step``
@@ -133,6 +135,8 @@ def gradient_micro_batch(
     if isinstance(temp, torch.Tensor):
         temp = temp[segment.clamp(min=0)][predict].unsqueeze(-1)
     head = OutcomeHead(engine.module, predict, temp, autocast_context(engine))
+    if errors is not None:  # shadows the method on this instance: ``head.run`` calls ``self.check``
+        head.check = errors.deferred(head.check)
     outputs: dict = {}
 
     def log_prob_outputs(raw) -> dict:

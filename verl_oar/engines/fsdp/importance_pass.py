@@ -25,19 +25,23 @@ from verl_oar.engines.fsdp.gradient import gradient_micro_batch
 from verl_oar.engines.fsdp.lockstep import Lockstep, padding_forward, shard_group
 from verl_oar.engines.fsdp.perturbation import perturbation_micro_batch
 from verl_oar.engines.fsdp.unshard import fsdp2_modules, root_unsharded_for_importance, unsharded_for_importance
+from verl_oar.engines.rank_errors import RankErrors
 
 
 class FSDPImportancePass:
     """One importance pass's micro-batches on an FSDP engine (``engines.backend.ImportancePass``)."""
 
-    def __init__(self, engine, lockstep: Lockstep | None):
+    def __init__(self, engine, lockstep: Lockstep | None, errors: RankErrors):
         self.engine = engine
         self.lockstep = lockstep
         """None when the ranks' model calls need not match (one rank, gathered parameters, FSDP1)"""
+        self.errors = errors
+        """the checks of the rank's rows deferred to the pass's end (``engines.rank_errors``)"""
 
     def gradient(self, micro_batch: TensorDict, cfg: OARConfig, step: int,
                  with_log_probs: bool) -> tuple[torch.Tensor, dict | None]:
-        return gradient_micro_batch(self.engine, micro_batch, cfg, step, with_log_probs, peers=self.lockstep)
+        return gradient_micro_batch(self.engine, micro_batch, cfg, step, with_log_probs, peers=self.lockstep,
+                                    errors=self.errors)
 
     def perturbation(self, micro_batch: TensorDict, cfg: OARConfig, neutral_id: int, token_budget: int | None,
                      rows_budget: int) -> tuple[torch.Tensor, list[PerturbationCost]]:
@@ -54,16 +58,19 @@ def _several_ranks() -> bool:
 @contextmanager
 def fsdp_importance_pass(engine, data: TensorDict, cfg: OARConfig):
     """The pass's context on every rank (inside ``engine.eval_mode()``), yielding :class:`FSDPImportancePass`;
-    on a normal exit a rank whose model calls are done pads until no rank calls."""
+    on a normal exit a rank whose model calls are done pads until no rank calls, then, parameters resharded, a
+    check deferred on any rank raises on every rank (``engines.rank_errors``)."""
     del data  # nothing of the batch shapes an FSDP pass
+    errors = RankErrors()
     if cfg.gather_params and fsdp2_modules(engine.module):
         with unsharded_for_importance(engine):
-            yield FSDPImportancePass(engine, None)
-        return
-    from verl.utils.device import get_device_id
+            yield FSDPImportancePass(engine, None, errors)
+    else:
+        from verl.utils.device import get_device_id
 
-    lockstep = Lockstep(get_device_id(), shard_group(engine)) if _several_ranks() else None
-    with root_unsharded_for_importance(engine):
-        yield FSDPImportancePass(engine, lockstep)
-        if lockstep is not None:
-            lockstep.finish(padding_forward(engine))
+        lockstep = Lockstep(get_device_id(), shard_group(engine)) if _several_ranks() else None
+        with root_unsharded_for_importance(engine):
+            yield FSDPImportancePass(engine, lockstep, errors)
+            if lockstep is not None:
+                lockstep.finish(padding_forward(engine))
+    errors.agree()

@@ -2,7 +2,7 @@
 
     verl-oar demo [flags]            the CPU demo on the pick_max testbed   (python -m verl_oar.testbed.demo)
     verl-oar check [overrides]       will this verl run start? a preflight (python -m verl_oar.tools.check)
-    verl-oar compare RUNS... [flags] methods over seeds from verl's file logger (python -m verl_oar.tools.compare)
+    verl-oar compare RUNS... [flags] methods over seeds from verl's file logger (python -m verl_oar.app.compare)
     verl-oar heatmap [flags]         token weights of dumped steps            (python -m verl_oar.tools.heatmap)
     verl-oar prepare-model NAME      a real model ready for verl, offline     (python -m verl_oar.tools.prepare_model)
 
@@ -19,7 +19,7 @@ COMMANDS = {
     "demo": ("verl_oar.testbed.demo", "train GRPO / OAR-G / OAR-P on the CPU testbed through verl's trainer; HTML report"),
     "check": ("verl_oar.tools.check", "preflight of a verl run (same Hydra overrides as main_ppo): refusals, settings, "
               "cost, memory per GPU, data; exit 0 = it would start"),
-    "compare": ("verl_oar.tools.compare", "compare methods over seeds from verl's file-logger jsonl: table, intervals, "
+    "compare": ("verl_oar.app.compare", "compare methods over seeds from verl's file-logger jsonl: table, intervals, "
                 "figures"),
     "heatmap": ("verl_oar.tools.heatmap", "per-token heatmaps of the advantages OAR dumped (algorithm.oar.dump_dir)"),
     "prepare-model": ("verl_oar.tools.prepare_model", "a real pretrained model (smollm2) as an HF folder for "
@@ -47,7 +47,7 @@ def _command(name: str):
 
         return check.main
     if name == "compare":
-        from verl_oar.tools import compare
+        from verl_oar.app import compare
 
         return compare.main
     if name == "prepare-model":
