@@ -46,6 +46,8 @@ UNROUTED = {
         "logged by compat.trainer_registry, which every install of the plugin trainer goes through; without PR advantage-hooks)",
     ("integration/trainer.py", "_compute_old_log_prob"): "as above",
     ("integration/trainer.py", "_compute_advantage"): "as above",
+    ("integration/grading.py", "_compute_advantage"): "PPOTrainer._compute_advantage (compat.PRIVATE_NAMES), logged "
+        "by compat.trainer_registry as the trainer's overrides are",
     ("cpu/verl_patches.py", "_ROLLOUT_REGISTRY"): "cpu/ may not import integration/; applied only without 0004 "
         "(patches_applied() reports it; the e2e test of the series asserts it is not applied)",
     ("engines/megatron/forward.py", "_lm_head_logits_processor"): "engines/ may not import integration/; Megatron only",

@@ -8,12 +8,16 @@ check raises only where every rank arrives with no collective pending, after the
 around what runs before the pass's first collective (the answer locator on the rank's responses), and
 :meth:`RankErrors.deferred` for a check inside the pass (``core.hf.OutcomeHead.check``): the failing rank records
 the error and goes on making the same calls as the others, up to :meth:`RankErrors.agree` at the pass's end.
-Every rank then raises a RuntimeError naming the failing ranks and their original messages. On one rank (or
-without torch.distributed) nothing is gathered or deferred: the original exception is raised where it was.
+Every rank then raises a RuntimeError naming the failing ranks and their original messages. Cost, with several
+ranks: two ``all_gather_object`` of None per pass (the agreements before it and, on FSDP, after it). On one rank
+(or without torch.distributed) nothing is gathered or deferred: the original exception is raised where it was.
 
-Not covered (the rank raises alone, as before): an exception inside a model call, such as running out of memory
-in a forward or backward between two of its all-gathers (that rank cannot make the rest of the call's
-collectives), and any other exception raised in the pass after its first collective.
+Not covered (the rank raises alone, as before): an exception inside a model call, e.g. out of memory in a forward
+or backward between two of its all-gathers (that rank cannot make the rest of the call's collectives); any other
+exception after the pass's first collective that is not a deferred check (verl's own ``prepare_micro_batches``
+assertion on a sequence past ``max_token_len_per_gpu``, raised before its micro-batch all-reduce, as in verl's own
+log-prob pass; shape checks that fail alike on every rank); Megatron's in-pass checks (its pass gets the agreement
+before the pass only); a rank's process dying.
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ PRIVATE_NAMES: dict[str, Private] = {
         "OARTrainerSync computes (or fuses) the token signals around the old-log-prob pass", _S02),
     "verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync._compute_advantage": Private(
         "OARTrainerSync reads the signals from TransferQueue and exposes them to the estimator", _S02),
+    "verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage": Private(
+        "grading.GradingMixin wraps it in every v1 trainer mode when verl-oar's math reward grades: ungraded answers "
+        "are counted and left out of the update", _S02),
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._init_dataloader": Private(
         "CoDaSampling (codapo_sampling) doubles steps_per_epoch and the step total after verl computes them", _S07),
     "verl.trainer.ppo.v1.trainer_base.PPOTrainer._next_train_batch": Private(
@@ -202,6 +205,7 @@ def trainer_registry() -> dict:
     record("verl.trainer.ppo.v1.trainer_base.TRAINER_REGISTRY", "read (trainer_registry)")
     for method in ("_init_resource_pool_mgr", "_compute_old_log_prob", "_compute_advantage"):
         record(f"verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync.{method}", "overridden by trainer.OARTrainerSync")
+    record("verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage", "overridden by grading.GradingMixin")
     registry = getattr(trainer_base, "TRAINER_REGISTRY", None)
     sync = registry.get("sync") if isinstance(registry, dict) else None
     if getattr(sync, "_verl_cls", sync) is not PPOTrainerSync:
