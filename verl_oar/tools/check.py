@@ -34,6 +34,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from verl_oar.core.method_configs import ESTIMATOR_NODES
 from verl_oar.tools.check_data import locate_answers, read_responses, sample_train_file
 
 GPU_ONLY = (
@@ -41,8 +42,8 @@ GPU_ONLY = (
     "the worker class verl picks for the actor (a custom worker needs verl-oar's OARWorkerMixin)",
     "vLLM / SGLang start-up, NCCL, Ray placement over nodes",
 )
-TOKEN_CONFIGS = {"oar_g": "oar", "oar_p": "oar", "cscr": "cscr", "oppo": "oppo", "acpo": "acpo", "codapo": "codapo"}
-"""estimator -> its ``algorithm.<node>``"""
+TOKEN_CONFIGS = ESTIMATOR_NODES
+"""estimator -> its ``algorithm.<node>`` (``core.method_configs``)"""
 
 
 class Refusal(Exception):
@@ -141,13 +142,9 @@ def resolved_settings(config) -> dict:
 
 
 def _config_classes() -> dict:
-    from verl_oar.core.acpo import ACPOConfig
-    from verl_oar.core.codapo import CoDaPOConfig
-    from verl_oar.core.config import OARConfig
-    from verl_oar.core.cscr import CSCRConfig
-    from verl_oar.core.oppo import OPPOConfig
+    from verl_oar.core.method_configs import NODES, config_class
 
-    return {"oar": OARConfig, "cscr": CSCRConfig, "oppo": OPPOConfig, "acpo": ACPOConfig, "codapo": CoDaPOConfig}
+    return {node: config_class(node) for node in NODES}
 
 
 def _estimator_nodes(config) -> list[str]:

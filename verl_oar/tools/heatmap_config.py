@@ -25,9 +25,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from verl_oar.core.method_configs import NODES
+
 __all__ = ["RunConfig", "RunConfigError", "read_run_config", "setting_sources"]
 
-SECTIONS = ("oar", "cscr", "oppo", "acpo", "codapo")
+SECTIONS = tuple(NODES)
 """the ``algorithm.<section>`` nodes of verl-oar's estimators"""
 TEMPERATURE = "actor_rollout_ref.rollout.temperature"
 MODEL_PATH = "actor_rollout_ref.model.path"
@@ -212,17 +214,9 @@ def read_run_config(paths: Sequence[str | Path]) -> RunConfig:
 
 
 def _config_class(section: str):
-    if section == "oar":
-        from verl_oar.core.config import OARConfig as cls
-    elif section == "cscr":
-        from verl_oar.core.cscr import CSCRConfig as cls
-    elif section == "oppo":
-        from verl_oar.core.oppo import OPPOConfig as cls
-    elif section == "acpo":
-        from verl_oar.core.acpo import ACPOConfig as cls
-    else:
-        from verl_oar.core.codapo import CoDaPOConfig as cls
-    return cls
+    from verl_oar.core.method_configs import config_class
+
+    return config_class(section)
 
 
 def section_config(run: RunConfig | None, section: str):
