@@ -190,3 +190,17 @@ def test_code_in_an_answer_is_never_run(tmp_path):
         assert result["score"] == 0.0 and result["grade"] in GRADED + NOT_GRADED
         assert result["grade"] != "verified"
     assert not marker.exists()
+
+
+def test_validation_averages_the_graded_flag_per_data_source():
+    """verl's validation metrics (``process_validation_metrics``, what ``trainer_base._validate`` turns into
+    ``val-aux/{data_source}/{key}/mean@N``) read the reward's ``graded`` as a number: the share of graded answers."""
+    from verl.trainer.ppo.metric_utils import process_validation_metrics
+
+    results = [compute_score("math500", *RIGHT), compute_score("math500", TOWER, "0.5"),
+               compute_score("math500", "\\boxed{3}", "4"), compute_score("math500", TOWER, "0.5")]
+    infos = {key: [r[key] for r in results] for key in ("score", "acc", "graded", "grade", "pred")}
+    metrics = process_validation_metrics(["math500"] * 4, ["q0", "q0", "q1", "q1"], infos)
+    graded = metrics["math500"]["graded"]
+    assert graded["mean@2"] == pytest.approx(0.5)             # two of four answers graded
+    assert "grade" not in metrics["math500"]                  # strings are not averaged
