@@ -92,6 +92,19 @@ def test_readme_quotes_the_study_as_rendered(analysis):
             assert f"{estimate} steps {interval}" in readme or f"{estimate} {interval}" in readme, (variant, d)
 
 
+def test_readme_leads_the_study_with_the_replication_as_rendered(results):
+    """README's study headline is R1's estimate and interval from the committed JSON, and its first sentence about
+    the study says whether the headline replicated."""
+    replication = study_report.sa.analyse_replication(results["runs"])
+    assert replication, "the committed results have no replication runs"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert " ".join(study_report.replication_headline(replication).split()) in readme
+    first = readme[readme.index("study"):]
+    verdict = replication["oar_g"]["verdict"]
+    opening = {"inconclusive": "did not replicate", "slower": "reversed", "faster": "replicated"}[verdict]
+    assert readme.index(opening) < readme.index("study") + 200, first[:200]
+
+
 def test_h3_h4_and_h5_tables_render_once_their_runs_exist():
     def run(phase, task, method, lr, seed, reach, steps):
         reward = [0.5] * (reach - 3) + [0.9] * (steps - reach + 3)

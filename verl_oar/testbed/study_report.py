@@ -166,8 +166,9 @@ def replication_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
-VERDICT_WORDS = {"faster": "faster than GRPO", "slower": "slower than GRPO",
-                 "inconclusive": "not shown to differ from GRPO (the interval covers 0)"}
+VERDICT_WORDS = {"faster": "replicated (faster than GRPO)", "slower": "reversed (slower than GRPO)",
+                 "inconclusive": "not replicated (the interval covers 0)"}
+"""R1's pre-registered decision words (docs/study.md) for ``replication_verdict``'s verdicts"""
 
 
 def replication_headline(rep: dict, method: str = "oar_g") -> str:
