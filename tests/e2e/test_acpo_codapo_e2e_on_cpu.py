@@ -19,6 +19,8 @@ from verl_oar.cpu.overrides import metrics_file
 
 ACPO_KEYS = ("acpo/weight/success/mean", "acpo/frac_clipped", "acpo/budget_error/mean", "acpo/sign_violations",
              "acpo/surrogate/mean", "acpo/entropy_gap/mean", "oar/timing_s/acpo_surrogate")
+RIGHT_THRESHOLD = "algorithm.codapo.right_threshold=1.0"
+"""the tiny workspace's reward scores a right answer 1.1 and a boxed wrong one 0.1 (its format bonus)"""
 CODAPO_KEYS = ("codapo/value/mean", "codapo/confidence/mean", "codapo/accuracy/mean", "codapo/sampling/pass",
                "codapo/sampling/rollouts", "codapo/sampling/response_tokens", "codapo/sampling/policy_updates")
 
@@ -64,7 +66,7 @@ def test_codapo_uses_each_batch_twice_the_second_time_on_its_top_questions(cpu_w
 
     dump = tmp_path / "codapo_dump"
     rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "codapo.log", "qwen2_5_math_1_5b_codapo", 2, "e2e_codapo",
-                            f"+algorithm.oar.dump_dir={dump}")
+                            f"+algorithm.oar.dump_dir={dump}", RIGHT_THRESHOLD)
     assert rc == 0, log[-6000:]
     records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_codapo"))
     assert [r["step"] for r in records] == [1, 2]
@@ -77,7 +79,7 @@ def test_codapo_uses_each_batch_twice_the_second_time_on_its_top_questions(cpu_w
         mask = d["response_mask"].bool()
         uids = _uids(d["keys"])
         assert len(set(uids)) == 2                                   # two groups of 8, each its own uid
-        value, _ = question_values(d["rewards"], d["old_log_probs"], mask, group_ids(uids), 0.1)
+        value, _ = question_values(d["rewards"], d["old_log_probs"], mask, group_ids(uids), 0.1, 1.0)
         torch.testing.assert_close(d["codapo_value"], value.float(), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(d["advantages"], d["codapo_value"][:, None] * d["grpo_advantages"] * mask,
                                    atol=1e-6, rtol=1e-5)
@@ -94,7 +96,7 @@ def test_codapo_uses_each_batch_twice_the_second_time_on_its_top_questions(cpu_w
 def test_oar_g_composes_with_codapo(cpu_workspace_dir, tmp_path):
     dump = tmp_path / "compose_dump"
     rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "compose.log", "qwen2_5_math_1_5b_oar_g", 2, "e2e_compose",
-                            "+algorithm.codapo.compose=true", f"algorithm.oar.dump_dir={dump}")
+                            "+algorithm.codapo.compose=true", f"algorithm.oar.dump_dir={dump}", f"+{RIGHT_THRESHOLD}")
     assert rc == 0, log[-6000:]
     records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_compose"))
     assert [r["data"]["codapo/sampling/pass"] for r in records] == [1.0, 2.0]

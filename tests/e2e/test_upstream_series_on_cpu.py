@@ -165,7 +165,8 @@ def _no_private_access(run: Path) -> None:
     assert not path.exists() or not path.read_text().strip(), path.read_text()
 
 
-CODAPO_SAMPLING = ("+algorithm.codapo.compose=true", *CONTENT_ORDERED_SAMPLER)
+CODAPO_SAMPLING = ("+algorithm.codapo.compose=true", *CONTENT_ORDERED_SAMPLER,
+                   "+algorithm.codapo.right_threshold=1.0")  # the tiny workspace's reward: 1.1 right, 0.1 boxed wrong
 
 
 @pytest.fixture(scope="module")
