@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from verl_oar.core.gradient import GradientConfig
-from verl_oar.testbed.importance_quality import mean_recall, rank_candidates, top_count
+from verl_oar.core.token_ranking import mean_recall, rank_candidates, top_count
 from verl_oar.testbed.quality import make_batch, oar_g_scores, oar_p_scores
 from verl_oar.testbed.workspace import TestbedSpec, build_testbed, max_response_tokens, sample_responses
 

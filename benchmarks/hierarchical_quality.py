@@ -37,7 +37,7 @@ the method's importances); ``answer_prob`` = the clean probability of the answer
 (their product); ``correct`` = the share whose answer is the right one.
 
 Per configuration and sequence: ``passes`` = occluded copies / R (exact = 1; the clean pass not counted);
-``recall@f`` = the fraction of exact mode's top-f tokens (``importance_quality.top_fraction_mask``, ties broken
+``recall@f`` = the fraction of exact mode's top-f tokens (``core.token_ranking.top_fraction_mask``, ties broken
 by a seeded random permutation) that are in the method's top-f; ``mass@0.1`` = the same recall weighted by
 |exact importance| (the share of the top-10%'s |importance| that the method's top-10% holds: on fill32 the two
 picks carry a median 99.7% of all |importance| and the other ~37 tokens of the top 10% are ~1e-5..1e-2 of a pick, so
@@ -81,7 +81,7 @@ from verl_oar.core.hf import HFPrefixModel
 from verl_oar.core.hierarchical import FILLS, hierarchical_importance
 from verl_oar.core.outcome import padded_predicting_positions
 from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
-from verl_oar.testbed.importance_quality import top_fraction_mask
+from verl_oar.core.token_ranking import top_fraction_mask
 from verl_oar.testbed.machine import machine_info
 
 FRACS = (0.05, 0.1, 0.2)

@@ -23,13 +23,9 @@ from verl_oar.testbed.pick_max import (
     parse_response,
     rl_rows,
 )
-from verl_oar.testbed.importance_quality import (
-    CounterfactualExample,
-    accuracy_drop,
-    answer_accuracy,
+from verl_oar.core.token_ranking import (
     delete,
     entropy_scores,
-    greedy_answer,
     mean_recall,
     occlude,
     random_scores,
@@ -38,6 +34,7 @@ from verl_oar.testbed.importance_quality import (
     top_count,
     top_fraction_mask,
 )
+from verl_oar.testbed.importance_quality import CounterfactualExample, accuracy_drop, answer_accuracy, greedy_answer
 
 CANONICAL = "qzt kdm 7 abx fod 5 kle pqa \\boxed{75}"
 MARKER = "\\boxed{"

@@ -6,5 +6,5 @@ verl RL rows and the oracle of causal tokens read from a response's text; ``work
 warm-started start and the script that builds it; ``methods``: the methods compared (one entry each);
 ``training_runs``, ``comparison``, ``measures``, ``credit``, ``report``, ``demo``: the runs, the
 pre-registered measures with bootstrap intervals, the credit each run assigned, the report;
-``importance_quality``, ``quality``: how well a token ranking finds the causal tokens.
+``importance_quality``, ``quality``: how well a token ranking (``core.token_ranking``) finds the causal tokens.
 """

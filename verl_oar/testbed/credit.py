@@ -11,7 +11,7 @@ Per response of every dumped step (real rows only; the oracle read from the resp
 - **recall@10%** of the method's token signal (``Method.signal``, e.g. ``oar_importance``; ranked by
   magnitude): the share of
   the oracle-causal tokens that rank among the top 10% of reasoning tokens by signal
-  (``importance_quality.recall_at``, ties broken by a seeded generator).
+  (``core.token_ranking.recall_at``, ties broken by a seeded generator).
 
 A run is summarised by the median concentration over its responses and the mean recall.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from verl_oar.testbed.importance_quality import recall_at
+from verl_oar.core.token_ranking import recall_at
 from verl_oar.testbed.pick_max import oracle_token_masks
 
 __all__ = ["RunCredit", "concentration", "run_credit", "summarize"]

@@ -12,7 +12,7 @@ Steps, in the order they run:
    (no answer) are skipped and counted;
 4. score the reasoning tokens of the rest with every estimator (below) on the same model, one
    padded batch (OAR-G, entropy) or one sequence at a time (OAR-P);
-5. recall@K% of the ``causal`` oracle (the picks) per estimator (``importance_quality.mean_recall``);
+5. recall@K% of the ``causal`` oracle (the picks) per estimator (``core.token_ranking.mean_recall``);
 6. counterfactual accuracy drop per estimator: occlude its top-K% reasoning tokens with a space and
    greedily decode the answer after the modified reasoning and ``\\boxed{``
    (``importance_quality.accuracy_drop``); ``answer_flip``: the same, with the model's own greedy
@@ -57,15 +57,8 @@ from verl_oar.core.gradient import GradientConfig
 from verl_oar.core.hf import hf_importance
 from verl_oar.core.perturbation import PerturbationConfig
 from verl_oar.testbed.pick_max import ORACLES, oracle_batch
-from verl_oar.testbed.importance_quality import (
-    CounterfactualExample,
-    accuracy_drop,
-    entropy_scores,
-    greedy_answer,
-    mean_recall,
-    random_scores,
-    top_count,
-)
+from verl_oar.core.token_ranking import entropy_scores, mean_recall, random_scores, top_count
+from verl_oar.testbed.importance_quality import CounterfactualExample, accuracy_drop, greedy_answer
 from verl_oar.testbed.workspace import (
     MANIFEST,
     TESTBED_VERSION,
