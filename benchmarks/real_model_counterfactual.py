@@ -23,7 +23,8 @@ token's category. ``worked``: solutions of 2- to 4-step word problems with fille
 in its top 5, 10 and 20%.
 
 ``collect``: means over responses with 95% bootstrap intervals (10,000 resamples, seed 0, nearest rank;
-``testbed.measures``), each ranking's answer change paired against the random ranking's, the categories of the top
+``testbed.measures``), each ranking's answer change paired against the random ranking's (signed, and its size
+``|change|``: OAR's importance is a divergence, blind to the direction), the categories of the top
 10% against their share of all reasoning tokens, the bf16 rankings' agreement with fp32 (top-10% overlap,
 Spearman), and the worked solutions' recall. ``--table`` prints docs/real-model.md's tables from the JSON.
 """
@@ -47,6 +48,12 @@ NAMES = {"oar_p_exact": "OAR-P exact", "oar_p_chunk": "OAR-P chunk (K=16)", "oar
 
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _mine(index: int, args) -> bool:
+    """Whether this process scores item ``index`` (``--shard I/N``: the items whose index is I modulo N)."""
+    i, n = (int(x) for x in args.shard.split("/"))
+    return index % n == i
 
 
 def _append(path: Path, record: dict) -> None:
@@ -135,7 +142,8 @@ def cmd_score(args) -> None:
     from verl_oar.tools.heatmap import make_sample
 
     done = {r["index"] for r in _jsonl(args.store / "scores.jsonl")}
-    todo = [r for r in _jsonl(args.store / "responses.jsonl") if r["index"] not in done][: args.limit]
+    todo = [r for r in _jsonl(args.store / "responses.jsonl") if r["index"] not in done and _mine(r["index"], args)]
+    todo = todo[: args.limit]
     if not todo:
         print("[score] nothing left to score")
         return
@@ -182,7 +190,8 @@ def cmd_worked(args) -> None:
 
     path = args.store / "worked.jsonl"
     done = {r["index"] for r in _jsonl(path)}
-    problems = [(i, p) for i, p in enumerate(worked_solutions(args.problems, seed=0)) if i not in done]
+    problems = [(i, p) for i, p in enumerate(worked_solutions(args.problems, seed=0)) if i not in done
+                and _mine(i, args)]
     if not problems:
         print("[worked] nothing left to score")
         return
@@ -228,8 +237,10 @@ def collect(store: Path) -> dict:
             for frac in cf.FRACS:
                 values = [r["answer_change"][name][edit][str(frac)] for r in scored]
                 base = [r["answer_change"]["random"][edit][str(frac)] for r in scored]
+                size, base_size = [abs(v) for v in values], [abs(v) for v in base]
                 changes.setdefault(name, {}).setdefault(edit, {})[str(frac)] = {
-                    **_interval(values), "minus_random": _interval(values, base)}
+                    **_interval(values), "minus_random": _interval(values, base),
+                    "absolute": {**_interval(size), "minus_random": _interval(size, base_size)}}
     categories: dict = {"all reasoning tokens": dict.fromkeys(cf.CATEGORIES, 0)}
     for r in scored:
         reasoning = torch.tensor(r["reasoning"])
@@ -279,11 +290,13 @@ def tables(results: dict) -> str:
     from verl_oar.real_model.counterfactual import CATEGORIES, FRACS, IMPORTANCE_RANKINGS, RANKINGS
 
     out = ["| ranking | " + " | ".join(f"delete top {int(f * 100)}%" for f in FRACS) + " | replace top 10% | "
-           "delete top 10% minus random |", "|---" * (len(FRACS) + 3) + "|"]
+           "delete top 10% minus random | size of the change, delete top 10%, minus random |",
+           "|---" * (len(FRACS) + 4) + "|"]
     for name in RANKINGS:
         c = results["answer_change"][name]
         out.append(f"| {NAMES[name]} | " + " | ".join(_fmt(c["delete"][str(f)]) for f in FRACS)
-                   + f" | {_fmt(c['replace']['0.1'])} | {_fmt(c['delete']['0.1']['minus_random'])} |")
+                   + f" | {_fmt(c['replace']['0.1'])} | {_fmt(c['delete']['0.1']['minus_random'])} | "
+                   f"{_fmt(c['delete']['0.1']['absolute']['minus_random'])} |")
     shares = results["top10_categories"]["shares"]
     out += ["", "| tokens | " + " | ".join(CATEGORIES) + " |", "|---" * (len(CATEGORIES) + 1) + "|"]
     for name in ("all reasoning tokens", *RANKINGS):
@@ -299,6 +312,12 @@ def tables(results: dict) -> str:
     return "\n".join(out)
 
 
+def _errors(ivs: list[dict]) -> list[list[float]]:
+    """matplotlib's yerr of intervals (0 where there is none: fewer than 2 responses)."""
+    return [[iv["mean"] - iv["low"] if iv["low"] is not None else 0.0 for iv in ivs],
+            [iv["high"] - iv["mean"] if iv["high"] is not None else 0.0 for iv in ivs]]
+
+
 def figure(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -312,7 +331,7 @@ def figure(results: dict, path: Path) -> None:
     for offset, edit in ((-0.2, "delete"), (0.2, "replace")):
         ivs = [results["answer_change"][k][edit]["0.1"] for k in RANKINGS]
         axes[0].bar([i + offset for i in x], [iv["mean"] for iv in ivs], width=0.4, label=f"{edit} top 10%",
-                    yerr=[[iv["mean"] - iv["low"] for iv in ivs], [iv["high"] - iv["mean"] for iv in ivs]], capsize=3)
+                    yerr=_errors(ivs), capsize=3)
     axes[0].axhline(0, color="black", lw=0.6)
     axes[0].set_ylabel("change in the answer's log-prob (nats)")
     axes[0].set_title(f"{results['responses']['scored']} own responses: remove a ranking's top 10%")
@@ -320,7 +339,7 @@ def figure(results: dict, path: Path) -> None:
     if results["worked"]["recall"]:
         ivs = [results["worked"]["recall"][k]["0.1"] for k in RANKINGS]
         axes[1].bar(list(x), [iv["mean"] for iv in ivs],
-                    yerr=[[iv["mean"] - iv["low"] for iv in ivs], [iv["high"] - iv["mean"] for iv in ivs]], capsize=3)
+                    yerr=_errors(ivs), capsize=3)
     axes[1].set_ylim(0, 1)
     axes[1].set_title(f"{results['worked']['problems']} worked solutions: results in the top 10%")
     axes[1].set_ylabel("recall@10%")
@@ -340,6 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16, help="sample: prompts per generate call")
     p.add_argument("--limit", type=int, default=None, help="score: at most this many responses in this call")
     p.add_argument("--problems", type=int, default=60, help="worked: this many worked solutions")
+    p.add_argument("--shard", default="0/1", help="score, worked: I/N, this process takes the items whose index is "
+                                                  "I modulo N (two processes on 2 cores: 0/2 and 1/2)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results_real_model_counterfactual_cpu.json")
     p.add_argument("--figure", type=Path, default=ROOT / "docs" / "figures" / "real_model" / "counterfactual.png")
     p.add_argument("--table", action="store_true", help="collect: print --out's tables and exit")
