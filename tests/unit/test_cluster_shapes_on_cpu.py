@@ -99,9 +99,13 @@ def test_padding_rows_do_not_count_in_any_metric():
 # --- the no-answer stop --------------------------------------------------------------------------
 
 
-def test_no_answer_guard_stops_after_patience_consecutive_steps():
-    guard = NoAnswerGuard(max_frac=0.5, patience=3)
-    assert guard.observe(1, {"fallback/frac_no_answer": 0.9}) == {"oar/fallback/no_answer_streak": 1.0}
+def _streak(n: int, steps: int) -> dict[str, float]:
+    return {"oar/fallback/no_answer_streak": float(n), "oar/fallback/no_answer_steps": float(steps)}
+
+
+def test_no_answer_guard_stops_after_patience_consecutive_steps_above_the_stop_rate():
+    guard = NoAnswerGuard(max_frac=0.5, patience=3, stop_frac=0.5)
+    assert guard.observe(1, {"fallback/frac_no_answer": 0.9}) == _streak(1, 1)
     guard.observe(2, {"fallback/frac_no_answer": 0.8})
     guard.observe(3, {"fallback/frac_no_answer": 0.5})                # not above: the streak restarts
     guard.observe(4, {"fallback/frac_no_answer": 0.6})
@@ -109,6 +113,50 @@ def test_no_answer_guard_stops_after_patience_consecutive_steps():
     with pytest.raises(NoAnswerError, match=r"3 consecutive steps \(4-6\).*data.max_response_length.*"
                                             r"answer_locator.*no_answer_action=warn"):
         guard.observe(6, {"fallback/frac_no_answer": 1.0})
+
+
+def test_a_later_drop_in_answers_warns_and_is_counted_and_stops_only_past_the_stop_rate(capsys):
+    """The default config's guard: a policy that writes fewer answers mid-run (60-85% without one) keeps training,
+    each such step warned about and counted; past no_answer_stop_frac (0.9) for 3 steps it stops."""
+    from _verl_config import compose_ppo_config
+
+    guard = NoAnswerGuard.from_config(compose_ppo_config(["algorithm.adv_estimator=oar_g"]))
+    assert (guard.warmup, guard.patience, guard.max_frac, guard.stop_frac, guard.first_steps) == (10, 3, 0.5, 0.9, 3)
+    for step in range(1, 11):
+        guard.observe(step, {"fallback/frac_no_answer": 0.2})
+    for step, frac in zip(range(11, 21), (0.6, 0.85, 0.7, 0.95, 0.8, 0.6, 0.85, 0.7, 0.4, 0.9)):
+        out = guard.observe(step, {"fallback/frac_no_answer": frac})
+    assert out == _streak(0, 9)  # nine steps above 0.5, one above 0.9: no stop
+    err = capsys.readouterr().err
+    assert err.count("WARNING: step") == 9 and "step 12: 85% of the responses had no locatable" in err
+    guard.observe(21, {"fallback/frac_no_answer": 0.95})
+    guard.observe(22, {"fallback/frac_no_answer": 1.0})
+    with pytest.raises(NoAnswerError, match=r"3 consecutive steps \(21-23\) more than 90%.*no_answer_stop_frac"):
+        guard.observe(23, {"fallback/frac_no_answer": 0.92})
+
+
+def test_a_locator_that_finds_no_answer_in_the_first_steps_stops_the_run_whatever_the_action():
+    from _verl_config import compose_ppo_config
+
+    config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "+algorithm.oar.no_answer_action=warn"])
+    guard = NoAnswerGuard.from_config(config)
+    guard.observe(1, {"fallback/frac_no_answer": 1.0})
+    guard.observe(2, {"fallback/frac_no_answer": 1.0})
+    with pytest.raises(NoAnswerError, match=r"no response of the run's first 3 training steps had a locatable final "
+                                            r"answer.*answer_locator=pkg://.*no_answer_first_steps=0"):
+        guard.observe(3, {"fallback/frac_no_answer": 1.0})
+    # one located answer in the first steps passes the check for good; a base model's answerless warm-up does not stop
+    guard = NoAnswerGuard.from_config(config)
+    for step, frac in ((1, 1.0), (2, 0.97), (3, 1.0), (4, 1.0), (5, 1.0)):
+        assert guard.observe(step, {"fallback/frac_no_answer": frac}) == _streak(0, 0)
+    off = NoAnswerGuard.from_config(compose_ppo_config(["algorithm.adv_estimator=oar_g",
+                                                        "+algorithm.oar.no_answer_first_steps=0"]))
+    for step in (1, 2, 3, 4):
+        off.observe(step, {"fallback/frac_no_answer": 1.0})
+    # a run resumed past the first steps does not repeat the check
+    resumed = NoAnswerGuard.from_config(compose_ppo_config(["algorithm.adv_estimator=oar_g"]))
+    for step in (4, 5, 6):
+        resumed.observe(step, {"fallback/frac_no_answer": 1.0})
 
 
 def test_no_answer_guard_ignores_the_warm_up_steps_a_base_model_needs():
@@ -119,7 +167,7 @@ def test_no_answer_guard_ignores_the_warm_up_steps_a_base_model_needs():
     guard = NoAnswerGuard.from_config(compose_ppo_config(["algorithm.adv_estimator=oar_g"]))
     assert (guard.warmup, guard.patience) == (10, 3)
     for step in range(1, 11):
-        assert guard.observe(step, {"fallback/frac_no_answer": 0.95}) == {"oar/fallback/no_answer_streak": 0.0}
+        assert guard.observe(step, {"fallback/frac_no_answer": 0.95}) == _streak(0, 0)
     guard.observe(11, {"fallback/frac_no_answer": 0.95})
     guard.observe(12, {"fallback/frac_no_answer": 0.95})
     with pytest.raises(NoAnswerError, match=r"\(11-13\).*no_answer_warmup"):
@@ -134,13 +182,24 @@ def test_no_answer_guard_warns_instead_when_asked(capsys):
     config = compose_ppo_config(["algorithm.adv_estimator=oar_g", "+algorithm.oar.no_answer_action=warn",
                                  "+algorithm.oar.no_answer_patience=1"])
     guard = NoAnswerGuard.from_config(config)
-    assert guard.observe(17, {"fallback/frac_no_answer": 0.75}) == {"oar/fallback/no_answer_streak": 1.0}  # after the warm-up
+    assert guard.observe(17, {"fallback/frac_no_answer": 0.95}) == _streak(1, 1)  # after the warm-up
     assert "GRPO under another name" in capsys.readouterr().err
+
+
+def test_the_testbed_runs_keep_the_stop_rule_the_study_ran_under():
+    from verl_oar.testbed.methods import NO_ANSWER_STOP, METHODS
+
+    seed, neutral = 0, 32
+    for name in ("oar_g", "oar_p", "oar_g_codapo"):
+        assert NO_ANSWER_STOP in METHODS[name].algorithm(seed, neutral, None), name
+    assert NO_ANSWER_STOP == "+algorithm.oar.no_answer_stop_frac=0.5"
 
 
 @pytest.mark.parametrize(
     "key, value, match",
     [("no_answer_max_frac", 1.5, "a fraction in"), ("no_answer_patience", 0, "an integer >= 1"),
+     ("no_answer_stop_frac", -0.1, "a fraction in"), ("no_answer_stop_frac", 0.4, "below no_answer_max_frac=0.5"),
+     ("no_answer_first_steps", -1, "0: no start-up check"),
      ("no_answer_action", "ignore", "'error' .stop the run. or 'warn'"), ("answer_locator", 3, "pkg://module.function")],
 )
 def test_no_answer_and_locator_keys_are_validated(key, value, match):

@@ -133,16 +133,23 @@ class OARConfig:
     boxed, "Answer:", "Final Answer", ``####``, "The answer is"), or ``pkg://module.function`` /
     ``/path/file.py:function`` with its signature (text -> AnswerSpan | None). A reward function that
     returns ``answer_span`` (``verl_oar.rewards.math_reward`` does) overrides it for the outputs it graded"""
+    no_answer_first_steps: int = 3
+    """start-up check: when the locator finds no answer in any response of each of the run's first this many
+    training steps, the run stops (whatever ``no_answer_action``): the locator does not read the model's
+    answer format, so OAR would never take effect; 0 turns the check off"""
     no_answer_max_frac: float = 0.5
-    """a step whose ``oar/fallback/frac_no_answer`` exceeds this counts towards stopping the run
-    (those responses keep GRPO's credit: a run of them is GRPO under another name)"""
+    """after the warm-up, a step whose ``oar/fallback/frac_no_answer`` exceeds this prints a warning and is
+    counted (``oar/fallback/no_answer_steps``): those responses keep GRPO's credit"""
+    no_answer_stop_frac: float = 0.9
+    """after the warm-up, a step whose ``oar/fallback/frac_no_answer`` exceeds this counts towards stopping the
+    run (``no_answer_patience`` consecutive ones): a run of them is GRPO under another name; >= ``no_answer_max_frac``"""
     no_answer_patience: int = 3
-    """consecutive such steps before the run stops (``no_answer_action=error``) or warns"""
+    """consecutive steps above ``no_answer_stop_frac`` before the run stops (``no_answer_action=error``) or warns"""
     no_answer_action: str = "error"
     """error (stop the run naming the cause and the fix) or warn (print and log, keep training)"""
     no_answer_warmup: int = 10
-    """the run's first training steps (global step <= this) never count towards the stop: a base model
-    can need a few updates before it answers in a format the locator reads; 0 counts from step 1"""
+    """the run's first training steps (global step <= this) never count towards the warning or the stop: a base
+    model can need a few updates before it answers often; 0 counts from step 1 (the start-up check above is apart)"""
     dump_dir: str = ""
     """if set, every step's token-level tensors (importance, masks, weights, GRPO and OAR advantages)
     are saved to ``{dump_dir}/step_{N}.pt`` for inspection (heatmaps, debugging); off by default"""
@@ -167,9 +174,22 @@ class OARConfig:
                 f"algorithm.oar.answer_locator={self.answer_locator!r} is invalid: '' (built-in) or "
                 "'pkg://module.function' or '/path/file.py:function'."
             )
-        frac = self.no_answer_max_frac
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
-            raise ValueError(f"algorithm.oar.no_answer_max_frac={frac!r} is invalid: a fraction in [0, 1].")
+        for key in ("no_answer_max_frac", "no_answer_stop_frac"):
+            frac = getattr(self, key)
+            if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+                raise ValueError(f"algorithm.oar.{key}={frac!r} is invalid: a fraction in [0, 1].")
+        if self.no_answer_stop_frac < self.no_answer_max_frac:
+            raise ValueError(
+                f"algorithm.oar.no_answer_stop_frac={self.no_answer_stop_frac!r} is below no_answer_max_frac="
+                f"{self.no_answer_max_frac!r}: the stop's threshold must be at least the warning's; raise "
+                "no_answer_stop_frac or lower no_answer_max_frac."
+            )
+        if isinstance(self.no_answer_first_steps, bool) or not isinstance(self.no_answer_first_steps, int) \
+                or self.no_answer_first_steps < 0:
+            raise ValueError(
+                f"algorithm.oar.no_answer_first_steps={self.no_answer_first_steps!r} is invalid: training steps, an "
+                "integer >= 0 (0: no start-up check)."
+            )
         if isinstance(self.no_answer_patience, bool) or not isinstance(self.no_answer_patience, int) \
                 or self.no_answer_patience < 1:
             raise ValueError(

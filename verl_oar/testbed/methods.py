@@ -53,14 +53,20 @@ def _none(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
     return []
 
 
+NO_ANSWER_STOP = "+algorithm.oar.no_answer_stop_frac=0.5"
+"""the no-answer stop the study's runs were made under (a step above half counts towards it), kept for every
+testbed run so that later runs stay comparable with the committed ones (the plugin's default is 0.9)"""
+
+
 def _oar_g(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
-    return [f"+algorithm.oar.seed={seed}"]
+    return [f"+algorithm.oar.seed={seed}", NO_ANSWER_STOP]
 
 
 def _oar_p(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
     # exact mode: one occluded copy per reasoning token (the paper's definition); a space occludes
     # (in-distribution between filler words, carries no digit; see testbed.quality)
-    return [f"+algorithm.oar.seed={seed}", "+algorithm.oar.perturb_mode=exact", f"+algorithm.oar.perturb_token_id={neutral_id}"]
+    return [f"+algorithm.oar.seed={seed}", NO_ANSWER_STOP, "+algorithm.oar.perturb_mode=exact",
+            f"+algorithm.oar.perturb_token_id={neutral_id}"]
 
 
 def _oar_g_codapo(seed: int, neutral_id: int, bed: Testbed) -> list[str]:
