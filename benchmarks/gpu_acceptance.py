@@ -42,8 +42,12 @@ The checks (name: question; budget on one H200 and how it was estimated):
    shape, 4k / 8k / 16k tokens, bf16, flash-attention where installed (``benchmarks/oar_g_checkpointing.py``): peak
    against the estimate, and the importance bit for bit. Estimate: ~25 forward+backward passes of <= 16k tokens
    (~0.4 s each at 16k) + builds.
+9. ``verl_engine_multi_gpu`` (1 s): HSDP and dynamic batch size with the fused importance pass, on verl's FSDP2 engine
+   under NCCL. Always skipped here, with its reason, so that every report counts it: it needs verl and two GPUs.
+   On CPU it runs on two gloo ranks (tests/engine/test_engine_multirank_on_cpu.py); flash-attention with padding in
+   the middle of a row is check 1's bf16 flash-attention case.
 
-Sum 420 s + ~20 s of imports and CUDA start-up: 440 s of the 480 s (8 minutes); ``--budget-s`` (default 470) keeps
+Sum 421 s + ~20 s of imports and CUDA start-up: 440 s of the 480 s (8 minutes); ``--budget-s`` (default 470) keeps
 a margin under scripts/gpu_acceptance.sh's hard ``timeout``. ``--tiny``: every check on CPU at tiny sizes (the test
 tests/unit/test_gpu_acceptance_on_cpu.py), performance targets and memory bands reported but not judged.
 
@@ -376,6 +380,14 @@ def check_checkpointing(ctx: Context) -> dict:
     return result
 
 
+def check_verl_engine_multi_gpu(ctx: Context) -> dict:
+    """Always skipped here, and counted: it needs verl and two GPUs, and this script runs without verl on one."""
+    raise Skip("needs verl and two GPUs (this script runs on one GPU without verl). On CPU it runs on 2 gloo ranks: "
+               "tests/engine/test_engine_multirank_on_cpu.py (HSDP with fsdp_size=1, use_dynamic_bsz, fused OAR-G); "
+               "on a machine with two GPUs and verl: OAR_MULTIRANK_CUDA=1 python -m pytest "
+               "tests/engine/test_engine_multirank_on_cpu.py")
+
+
 CHECKS = [
     Check("oar_p_exact", 20, "Does batched OAR-P (per-row prefixes, middle padding) equal the naive loop on the GPU's "
           "kernels (float64/fp32/bf16 SDPA, bf16 flash-attention where installed)?", check_oar_p_exact),
@@ -394,6 +406,8 @@ CHECKS = [
     Check("oar_cost_7b", 120, "Row oar_cost_1.5b at Qwen2.5-Math-7B's shape", lambda c: _cost("7b", 2, c)),
     Check("oar_g_checkpointing", 60, "OAR-G with verl's gradient checkpointing at the 1.5B's full shape: peak vs plain "
           "and vs the estimate, importance bit for bit", check_checkpointing),
+    Check("verl_engine_multi_gpu", 1, "HSDP and dynamic batch size with the fused importance pass on verl's FSDP2 "
+          "engine under NCCL", check_verl_engine_multi_gpu),
 ]
 
 

@@ -187,8 +187,9 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
     def on_worker(prefix: str, passes_to_run: dict, **settings) -> dict:
         """Build a worker, measure verl's own old-log-prob pass then each of ``passes_to_run``
         (name -> (oar config, method, fused)); returns what the launcher prints for this worker."""
-        worker = base.build_worker(model_dir, use_dynamic_bsz=False, micro_bsz=1, param_offload=False,
-                                   extra=("trainer.device=cuda",) if cuda else (), **settings)
+        extra = (("trainer.device=cuda",) if cuda else ()) + tuple(settings.pop("extra", ()))
+        worker = base.build_worker(model_dir, use_dynamic_bsz=settings.pop("use_dynamic_bsz", False), micro_bsz=1,
+                                   param_offload=False, extra=extra, **settings)
         engine = worker.actor.engine
         layers = checkpointed_layers(engine.module)  # verl's default enable_gradient_checkpointing=true
         before = base.snapshot(engine)
@@ -257,7 +258,9 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
         after = base.snapshot(engine)
         sharded_after = all(isinstance(p, DTensor) for p in engine.module.parameters()) and all(
             before["params"][n].shape == p.to_local().shape for n, p in engine.module.named_parameters())
+        mesh = getattr(engine, "device_mesh", None)
         return {"results": {prefix + k: v for k, v in results.items()},
+                "mesh": None if mesh is None else {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or ())},
                 "passes": {prefix + k: v for k, v in passes.items()},
                 "whole_model_bytes": whole, "fsdp_modules": len(fsdp2_modules(engine.module)),
                 "checkpointed_layers": len(layers),
@@ -279,7 +282,14 @@ def run_rank(out_dir: str, rank: int, port: str, cuda: bool = False) -> None:
         "g_fused_noisy_gathered": ({**noisy, "gather_params": True}, "gradient", True),
         "g_fused_noisy_plain": (noisy, "gradient", True),
     }, use_remove_padding=False, param_dtype="bf16")
-    print("RANK " + json.dumps({"rank": rank, "fp32": fp32, "bf16": bf16}), flush=True)
+    # HSDP (fsdp_size=1: each rank a replica of the whole model, 2 replicas) with dynamic batch size, fp32 packed rows:
+    # the combination a GPU cluster runs with several nodes, checked here on gloo
+    hsdp = on_worker("hsdp_", {
+        "p_chunk": (chunk, "perturbation", False),
+        "g_noisy": (noisy, "gradient", False), "g_fused_noisy": (noisy, "gradient", True),
+    }, use_remove_padding=True, use_dynamic_bsz=True, max_token_len=1024,
+        extra=("actor_rollout_ref.actor.fsdp_config.fsdp_size=1",))
+    print("RANK " + json.dumps({"rank": rank, "fp32": fp32, "bf16": bf16, "hsdp": hsdp}), flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -141,3 +141,25 @@ def test_gradient_checkpointing_changes_no_bit_and_no_all_gather(ranks):
                 # of the 2 micro-batches' backwards (one sample each; rank 1's first one on a stand-in)
                 recomputed = w["passes"][checkpointed]["attention_calls"] - w["passes"][name]["attention_calls"]
                 assert recomputed == w["checkpointed_layers"] * 2, (r["rank"], name, w["passes"])
+
+
+def test_hsdp_with_dynamic_batch_size_equals_the_reference_and_fuses_into_verls_own_pass(ranks):
+    """fsdp_size=1 on 2 ranks: a (ddp 2, fsdp 1) mesh, every rank a replica (HSDP), with use_dynamic_bsz: the
+    importance of each rank's rows equals the one-process reference, the fused pass's log-probs and entropy are verl's
+    own bit for bit, and the parameters come back unchanged."""
+    for r in ranks:
+        w = r["hsdp"]
+        assert w["mesh"] == {"shape": [2, 1], "names": ["ddp", "fsdp"]}, w["mesh"]
+        results = w["results"]
+        assert {n for n in results if "err" in results[n]} == {"hsdp_p_chunk", "hsdp_g_noisy", "hsdp_g_fused_noisy"}
+        for name, result in results.items():
+            tolerance = 1e-2 if "_p_" in name else 1e-3
+            assert result["scale"] > 0 and result["err"] <= tolerance * result["scale"], (r["rank"], name, result)
+        fused = results["hsdp_g_fused_noisy"]
+        assert fused["log_probs_identical"] and fused["entropy_identical"], (r["rank"], fused)
+        assert w["state_unchanged"], r["rank"]
+        # dynamic batch size packs both rows into one micro-batch of <= 1024 tokens; the fixed micro-batch of 1 row makes
+        # one forward per row; one replica of the whole model per rank: no all-gather
+        assert w["passes"]["hsdp_verl_log_prob"]["forwards"] < r["fp32"]["passes"]["verl_log_prob"]["forwards"], (
+            w["passes"]["hsdp_verl_log_prob"], r["fp32"]["passes"]["verl_log_prob"])
+        assert all(p["collectives"] == {} for p in w["passes"].values()), w["passes"]
