@@ -148,9 +148,18 @@ def test_recompute_uses_the_runs_settings_and_prints_their_sources(model_dir, tm
     chunked = sorted(set(round(v, 6) for v, r in zip(row["scores"]["oar_p"], sample.reasoning) if r))
     assert len(chunked) <= 3  # at most K = 3 spans, each one importance
 
-    default = _run(model_dir, tmp_path / "b", "--estimators", "oar_p")  # no --config: the tool's exact OAR-P
-    assert default["config"]["settings"]["algorithm.oar.perturb_mode"] == {"value": "exact", "source": "tool default"}
+    # no --config: training's defaults (chunk, K=16), what a run with default settings used; not the paper's exact mode
+    default = _run(model_dir, tmp_path / "b", "--estimators", "oar_p")
+    settings = default["config"]["settings"]
+    assert settings["algorithm.oar.perturb_mode"] == {"value": "chunk", "source": "training default (no --config)"}
+    assert settings["algorithm.oar.perturb_budget"] == {"value": 16, "source": "training default (no --config)"}
     assert default["rows"][0]["scores"]["oar_p"] != row["scores"]["oar_p"]
+    trained = oar_p_importance(model, sample, PerturbationConfig(mode="chunk", budget=16,
+                                                                 share_prefix=can_share_prefix(model)),
+                               tokenizer.pad_token_id, 8192, tokenizer, 1.0)
+    assert torch.equal(torch.tensor(default["rows"][0]["scores"]["oar_p"]), trained.float())
+    exact = _run(model_dir, tmp_path / "d", "--estimators", "oar_p", "--oar-p-mode", "exact")
+    assert exact["config"]["settings"]["algorithm.oar.perturb_mode"] == {"value": "exact", "source": "--oar-p-mode"}
     flagged = _run(model_dir, tmp_path / "c", "--estimators", "oar_p", "--config", str(overrides), "--oar-p-budget", "2")
     assert flagged["config"]["settings"]["algorithm.oar.perturb_budget"] == {"value": 2, "source": "--oar-p-budget"}
     assert flagged["config"]["oar_p_budget"] == 2 and flagged["config"]["temperature"] == 0.7

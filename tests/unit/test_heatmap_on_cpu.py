@@ -123,10 +123,12 @@ def test_scores_equal_direct_calls(prompt_run, loaded):
         torch.roll(ids, -1)[None], torch.zeros_like(ids[None]), 1, GradientConfig(),
         generator=torch.Generator().manual_seed(SEED),
     )[0, p:]
-    span = occlusion_spans(reasoning, "exact", 16)
+    span = occlusion_spans(reasoning, "chunk", 16)  # the tool's default without --config: training's, chunk K=16
+    assert int(span.max()) + 1 == 16 < int(reasoning.sum())  # chunks of several tokens, not exact mode
     sample = Sample(ids, torch.arange(len(ids)), span, predict, prompt_len=int(reasoning.nonzero()[0]))
     (oar_p,), _, _ = batched_perturbation_importance(HFRowsModel(model, pad_id=tokenizer.pad_token_id), [sample],
-                                                     tokenizer.pad_token_id, PerturbationConfig(), max_tokens=8192)
+                                                     tokenizer.pad_token_id, PerturbationConfig(mode="chunk"),
+                                                     max_tokens=8192)
     for name, expected in (("oar_g", oar_g), ("oar_p", oar_p[p:])):
         got = torch.tensor(row["scores"][name])
         assert torch.equal(got, expected.float()), name  # the same computation: bit for bit

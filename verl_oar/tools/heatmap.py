@@ -24,7 +24,7 @@ oar_p, cscr, oppo, acpo, codapo, and any of them under ``+algorithm.codapo.compo
 config), a recipe yaml (composed by Hydra) or a file of Hydra overrides, repeatable (later wins). The recompute
 then takes ``algorithm.oar`` / ``cscr`` / ``oppo`` / ``acpo`` and the rollout temperature from the run, the keys
 the run left unset at training's defaults (e.g. OAR-P ``chunk`` with K=16, not the tool's ``exact``); flags
-given explicitly still win. Without ``--config`` the tool's defaults hold (exact OAR-P, default reshaping).
+given explicitly still win. Without ``--config`` training's defaults hold (OAR-P chunk K=16, default reshaping).
 
 From verl's checkpoint to the folder ``--model`` reads (verl 0.9.1, ``verl/model_merger``; checked on a
 2-rank FSDP2 checkpoint saved by verl's ``FSDPCheckpointManager``, tests/unit/test_heatmap_checkpoint_on_cpu.py)::
@@ -52,7 +52,7 @@ Steps, per response, in the order they run:
    grad x input; noise drawn from a generator seeded with ``--seed``; clean logits from a no-grad forward) and
    OAR-P (``core.hf.hf_importance`` with ``OARConfig.perturbation_config()``, prefix sharing where the model
    allows it), logits divided by the temperature as the worker divides by the rollout's. The ``OARConfig`` is
-   the run's (``--config``) with the flags applied, else the tool's defaults.
+   the run's (``--config``) with the flags applied, else training's defaults.
 4. OAR weights (``reshape.importance_to_weights`` with that ``OARConfig``'s reshaping) of each
    estimator's importance: what training would multiply the response's GRPO advantage by.
    CSCR and OPPO (``--estimators cscr,oppo``; ``tools/heatmap_privileged.py`` says how, and its
@@ -111,9 +111,14 @@ ESTIMATORS = ("oar_g", "oar_p", *PRIVILEGED, "acpo", "codapo")
 """every registered estimator; ``codapo`` only from a dump (``--dump``): it needs the whole group"""
 MAX_TOKENS = 8192
 """tokens per OAR-P model call when neither the flag nor the run's config sets it (the run's 0 = verl's budget)"""
-TOOL_DEFAULTS = {"oar_p_mode": "exact", "oar_p_budget": 16, "oar_p_refine_top": 4, "oar_p_refine_unit": 4,
-                 "oar_p_max_tokens": MAX_TOKENS, "neutral": "pad", "seed": 0, "answer_locator": ""}
-"""the tool's defaults without --config (exact OAR-P: every token on its own, the paper's definition)"""
+_TRAINING = OARConfig()
+TOOL_DEFAULTS = {"oar_p_mode": _TRAINING.perturb_mode, "oar_p_budget": _TRAINING.perturb_budget,
+                 "oar_p_refine_top": _TRAINING.perturb_refine_top, "oar_p_refine_unit": _TRAINING.perturb_refine_unit,
+                 "oar_p_max_tokens": MAX_TOKENS, "neutral": "pad", "seed": _TRAINING.seed,
+                 "answer_locator": _TRAINING.answer_locator}
+"""the settings without --config: training's defaults (``OARConfig()``: OAR-P chunk mode, K=16), so that a heatmap
+shows the credit a run with default settings used; ``--oar-p-mode exact`` gives the paper's every-token definition.
+OAR-P's tokens per call: the tool's :data:`MAX_TOKENS` (training's 0 means verl's log-prob budget, unknown here)"""
 FLAG_FIELDS = {"oar_p_mode": "perturb_mode", "oar_p_budget": "perturb_budget", "oar_p_refine_top": "perturb_refine_top",
                "oar_p_refine_unit": "perturb_refine_unit", "oar_p_max_tokens": "perturb_max_tokens",
                "neutral": "perturb_token_id", "seed": "seed", "answer_locator": "answer_locator"}
@@ -423,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     method.add_argument("--estimators", default=DEFAULT_ESTIMATORS,
                         help=f"comma-separated: {', '.join(ESTIMATORS)} (codapo: only from --dump, it needs the group)")
     method.add_argument("--oar-p-mode", choices=("exact", "chunk", "line", "hierarchical"), default=None,
-                        help="default: the --config's algorithm.oar.perturb_mode, else exact")
+                        help="default: the --config's algorithm.oar.perturb_mode, else training's (chunk); "
+                             "exact: every token on its own, the paper's definition")
     method.add_argument("--oar-p-budget", type=int, default=None,
                         help="K spans in chunk / line / hierarchical mode (default: --config's, else 16)")
     method.add_argument("--oar-p-refine-top", type=int, default=None,
@@ -557,7 +563,7 @@ def _labelled(run: RunConfig | None, section: str) -> dict[str, tuple[Any, str]]
 
 def resolve_settings(args, run: RunConfig | None, estimators: Sequence[str]) -> Settings:
     """Explicit flags win; then the run's config (keys it does not set: training's defaults, as the run had
-    them); without --config the tool's defaults (:data:`TOOL_DEFAULTS`)."""
+    them); without --config training's defaults (:data:`TOOL_DEFAULTS`)."""
     oar_sources = _labelled(run, "oar")
     chosen, sources = {}, {}
     for dest, key in FLAG_FIELDS.items():
@@ -571,7 +577,7 @@ def resolve_settings(args, run: RunConfig | None, estimators: Sequence[str]) -> 
             elif dest == "oar_p_max_tokens" and value == 0:
                 value, source = MAX_TOKENS, f"{source}: 0 = verl's log-prob budget, unknown here; the tool's {MAX_TOKENS}"
         else:
-            value, source = TOOL_DEFAULTS[dest], "tool default"
+            value, source = TOOL_DEFAULTS[dest], "training default (no --config)"
         chosen[dest] = value
         sources[f"algorithm.oar.{key}" if dest != "neutral" else "neutral (algorithm.oar.perturb_token_id)"] = \
             {"value": value, "source": source}
