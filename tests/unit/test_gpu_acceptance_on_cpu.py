@@ -2,7 +2,7 @@
 GPU is lent. Checks the JSON's shape (machine, versions, each check's status / seconds / budget / reason) and the text
 summary; that nothing on the script's path imports verl; that a check not run says why.
 
-About 45 s on 2 shared cores (27 s for the main run: torch + transformers imports ~10 s, then the eight checks at
+About 45 s on 2 shared cores (27 s for the main run: torch + transformers imports ~10 s, then the eight checks that run at
 tiny sizes, the exactness check's naive loops and the two cost rows most of it; ~7 s for each of two short
 processes, now one process shared by the last two tests); up to ~65 s while other test runs share the cores."""
 
