@@ -214,15 +214,23 @@ def cmd_worked(args) -> None:
         print(f"[worked] problem {i}: {len(p.results)} steps, {time.time() - began:.0f} s", flush=True)
 
 
-def _interval(values, paired=None) -> dict:
+RESAMPLES = 10_000
+
+
+def _interval(values, paired=None, resamples: int = RESAMPLES) -> dict:
     from verl_oar.testbed.measures import bootstrap, paired_bootstrap
 
-    iv = bootstrap(values) if paired is None else paired_bootstrap(values, paired)
+    iv = (bootstrap(values, resamples=resamples) if paired is None
+          else paired_bootstrap(values, paired, resamples=resamples))
     return {"mean": iv.estimate, "low": iv.low, "high": iv.high, "n": iv.n}
 
 
-def collect(store: Path) -> dict:
-    """The results JSON from the store's files (every scored response and worked problem counted)."""
+def collect(store: Path, resamples: int = RESAMPLES) -> dict:
+    """The results JSON from the store's files (every scored response and worked problem counted); ``resamples``
+    per bootstrap interval."""
+    import functools
+
+    interval = functools.partial(_interval, resamples=resamples)
     from verl_oar.real_model import counterfactual as cf
     from verl_oar.core.token_ranking import top_fraction_mask
 
@@ -239,8 +247,8 @@ def collect(store: Path) -> dict:
                 base = [r["answer_change"]["random"][edit][str(frac)] for r in scored]
                 size, base_size = [abs(v) for v in values], [abs(v) for v in base]
                 changes.setdefault(name, {}).setdefault(edit, {})[str(frac)] = {
-                    **_interval(values), "minus_random": _interval(values, base),
-                    "absolute": {**_interval(size), "minus_random": _interval(size, base_size)}}
+                    **interval(values), "minus_random": interval(values, base),
+                    "absolute": {**interval(size), "minus_random": interval(size, base_size)}}
     categories: dict = {"all reasoning tokens": dict.fromkeys(cf.CATEGORIES, 0)}
     for r in scored:
         reasoning = torch.tensor(r["reasoning"])
@@ -253,10 +261,10 @@ def collect(store: Path) -> dict:
             for position in top.nonzero().squeeze(1).tolist():
                 counts[r["categories"][position]] += 1
     shares = {k: {c: v / max(1, sum(counts.values())) for c, v in counts.items()} for k, counts in categories.items()}
-    agreement = {k: {m: _interval([r["bf16_agreement"][k][m] for r in scored
+    agreement = {k: {m: interval([r["bf16_agreement"][k][m] for r in scored
                                    if r["bf16_agreement"][k][m] == r["bf16_agreement"][k][m]])
                      for m in ("top10_overlap", "spearman")} for k in cf.IMPORTANCE_RANKINGS}
-    recall = {k: {str(f): _interval([r["recall"][k][str(f)] for r in worked]) for f in cf.FRACS}
+    recall = {k: {str(f): interval([r["recall"][k][str(f)] for r in worked]) for f in cf.FRACS}
               for k in cf.RANKINGS} if worked else {}
     return {
         "responses": {"scored": len(scored), "right": sum(r["score"] == 1.0 for r in scored),

@@ -200,3 +200,65 @@ def test_worked_solutions_label_each_steps_result_and_the_reasoning_holds_them(t
         cf.labelled_tokens(tokenizer.encode("abc", add_special_tokens=False), tokenizer, [(0, 1)], "abd")
     with pytest.raises(ValueError, match="need n >= 0"):
         worked_solutions(3, steps=())
+
+
+def _fake_store(tmp_path, n: int = 5, worked: int = 3):
+    """A store as the benchmark's steps write it: n scored responses of 10 tokens (the first 8 reasoning) and
+    ``worked`` worked solutions, with fresh random numbers."""
+    import json
+    import random
+
+    rng = random.Random(7)
+    names, edits, fracs = cf.RANKINGS, cf.EDITS, cf.FRACS
+    with open(tmp_path / "scores.jsonl", "w") as f:
+        for i in range(n):
+            f.write(json.dumps({
+                "index": i, "score": float(i % 2), "tokens": 10, "reasoning_tokens": 8, "answer_tokens": 1,
+                "categories": [rng.choice(cf.CATEGORIES) for _ in range(10)], "reasoning": [True] * 8 + [False] * 2,
+                "scores": {k: [rng.random() for _ in range(8)] + [0.0, 0.0] for k in names},
+                "bf16_agreement": {k: {"top10_overlap": rng.random(), "spearman": rng.uniform(-1, 1)}
+                                   for k in cf.IMPORTANCE_RANKINGS},
+                "answer_change": {k: {e: {str(fr): rng.gauss(0, 1) for fr in fracs} for e in edits} for k in names},
+                "seconds": 1.0}) + "\n")
+    with open(tmp_path / "worked.jsonl", "w") as f:
+        for i in range(worked):
+            f.write(json.dumps({"index": i, "steps": 2, "tokens": 40, "reasoning_tokens": 30, "labelled_tokens": 3,
+                                "recall": {k: {str(fr): rng.random() for fr in fracs} for k in names},
+                                "seconds": 2.0}) + "\n")
+    (tmp_path / "sampling.json").write_text(json.dumps({"batches": 1, "sampled": 9, "no_answer": 3, "short": 1}))
+
+
+def test_the_benchmarks_collection_counts_every_response_and_renders_the_docs_tables(tmp_path):
+    import json
+    import statistics
+
+    from _benchmarks import load_benchmark
+
+    bench = load_benchmark("real_model_counterfactual")
+    _fake_store(tmp_path)
+    scored = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
+    got = bench.collect(tmp_path, resamples=200)
+    assert got["responses"]["scored"] == 5 and got["responses"]["right"] == 2 and got["worked"]["problems"] == 3
+    for name in cf.RANKINGS:
+        values = [r["answer_change"][name]["delete"]["0.1"] for r in scored]
+        base = [r["answer_change"]["random"]["delete"]["0.1"] for r in scored]
+        c = got["answer_change"][name]["delete"]["0.1"]
+        assert c["mean"] == pytest.approx(statistics.fmean(values)) and c["low"] <= c["mean"] <= c["high"]
+        assert c["minus_random"]["mean"] == pytest.approx(statistics.fmean(values) - statistics.fmean(base))
+        assert c["absolute"]["mean"] == pytest.approx(statistics.fmean(abs(v) for v in values))
+    # the top 10% of 8 reasoning tokens is 1 token per response: 5 tokens per ranking, categories counted by hand
+    for name in cf.RANKINGS:
+        counts = dict.fromkeys(cf.CATEGORIES, 0)
+        for r in scored:
+            top = top_fraction_mask(torch.tensor(r["scores"][name]), torch.tensor(r["reasoning"]), 0.1,
+                                    torch.Generator().manual_seed(r["index"]))
+            counts[r["categories"][int(top.nonzero()[0])]] += 1
+        assert got["top10_categories"]["counts"][name] == counts
+        assert sum(got["top10_categories"]["shares"][name].values()) == pytest.approx(1.0)
+    assert sum(got["top10_categories"]["counts"]["all reasoning tokens"].values()) == 5 * 8
+    assert got["bf16_agreement"]["oar_g"]["spearman"]["mean"] == pytest.approx(
+        statistics.fmean(r["bf16_agreement"]["oar_g"]["spearman"] for r in scored))
+    text = bench.tables(got)
+    assert text.count("\n| OAR-P exact |") == 2 and "| top 10%, entropy |" in text
+    bench.figure(got, tmp_path / "figure.png")
+    assert (tmp_path / "figure.png").stat().st_size > 10_000
