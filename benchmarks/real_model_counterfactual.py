@@ -230,12 +230,12 @@ def collect(store: Path, resamples: int = RESAMPLES) -> dict:
     per bootstrap interval."""
     import functools
 
-    interval = functools.partial(_interval, resamples=resamples)
-    from verl_oar.real_model import counterfactual as cf
-    from verl_oar.core.token_ranking import top_fraction_mask
-
     import torch
 
+    from verl_oar.core.token_ranking import top_fraction_mask
+    from verl_oar.real_model import counterfactual as cf
+
+    interval = functools.partial(_interval, resamples=resamples)
     scored = sorted(_jsonl(store / "scores.jsonl"), key=lambda r: r["index"])
     worked = sorted(_jsonl(store / "worked.jsonl"), key=lambda r: r["index"])
     sampling = json.loads((store / "sampling.json").read_text())
