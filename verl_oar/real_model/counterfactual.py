@@ -111,9 +111,13 @@ def answer_log_prob(model, sequences: Sequence[tuple[Tensor, Tensor]]) -> list[f
         if bool(ans[0]):
             raise ValueError("answer_log_prob: the first token is an answer token; nothing predicts it")
         batch[b, : len(ids)], mask[b, : len(ids)], answer[b, : len(ids)] = ids, 1, ans
-    logits = model(input_ids=batch.to(device), attention_mask=mask.to(device)).logits.float().cpu()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch[:, 1:, None])[..., 0]
-    return [float(logp[b][answer[b, 1:]].double().sum()) for b in range(len(sequences))]
+    logits = model(input_ids=batch.to(device), attention_mask=mask.to(device)).logits
+    out = []
+    for b in range(len(sequences)):  # only the positions that predict an answer token go through the softmax
+        targets = answer[b].nonzero().squeeze(1)
+        logp = torch.log_softmax(logits[b, targets - 1].float().cpu(), dim=-1)
+        out.append(float(logp.gather(-1, batch[b, targets, None]).double().sum()))
+    return out
 
 
 def answer_change(model, sample: Sample, scores: dict[str, Tensor], *, neutral_id: int, seed: int,
