@@ -15,7 +15,7 @@ Per response (prompt + response ids, its reasoning and answer tokens as training
    answer tokens stay in place (after a deletion they move up with everything after the deleted tokens).
 
 :func:`token_categories` says what each response token is (a number of the problem, another number: an
-intermediate result or the answer, an operator, a word, anything else), :func:`top_overlap` and
+intermediate result, the answer or any other number, an operator, a word, anything else), :func:`top_overlap` and
 :func:`spearman` how two rankings of one response agree (bf16 against fp32), and :func:`labelled_tokens` which
 tokens of a worked solution (``data.worked_solutions``) hold its results, whose recall in a ranking's top fraction
 is ``core.token_ranking.recall_at``. The aggregation over responses,
@@ -150,8 +150,8 @@ def answer_change(model, sample: Sample, scores: dict[str, Tensor], *, neutral_i
 
 def token_categories(response_ids: Sequence[int], tokenizer, problem_numbers: Sequence[int]) -> list[str]:
     """One of :data:`CATEGORIES` per response token: a token inside a number (a digit run of the decoded text) is a
-    *problem number* when that number is one of ``problem_numbers``, else an *other number* (an intermediate result
-    or the answer); a token of operator characters only (``+ - * / = × ÷``, spaces around) an *operator*; a token
+    *problem number* when that number is one of ``problem_numbers``, else an *other number* (an intermediate result,
+    the answer, or a number from elsewhere such as the prompt's worked example); a token of operator characters only (``+ - * / = × ÷``, spaces around) an *operator*; a token
     with a letter a *word*; anything else (spaces, punctuation, LaTeX, line breaks) *other*."""
     text, offsets = decode_with_offsets(response_ids, tokenizer, skip_special_tokens=True)
     number_at = [None] * len(text)
