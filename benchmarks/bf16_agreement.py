@@ -5,7 +5,7 @@
 Real runs compute importance in bf16 (FSDP2 ``param_dtype=bf16`` under bf16 autocast); this measures,
 per estimator, how far that moves importance from fp32 on the testbed's warm-started models, through
 the package's own functions (``testbed.quality.oar_g_scores`` / ``oar_p_scores``, the same
-``gradient_importance`` / ``perturbation_importance`` the workers run):
+``gradient_importance`` / ``score_samples`` the workers run):
 
 1. for every testbed seed and model depth (``--layers``: 2 is the default testbed, 4 the same task and
    warm start with 4 layers), build (or reuse) the testbed and sample ``--samples`` responses at

@@ -20,8 +20,8 @@ The checks (name: question; budget on one H200 and how it was estimated):
    whatever the batch composition (alone, packed, padded, reordered, duplicated, a mask with holes)? At the 7B's
    hidden size, 4 sequences of up to 4k tokens: ~0.25 GB of normals per layout, milliseconds.
 3. ``oar_cost_1.5b`` (90 s): OAR-G and OAR-P cost and peak memory at Qwen2.5-Math-1.5B's shape (random weights,
-   bf16, 4 x (1024 + 3072) tokens), OAR-P batched across samples against the per-sample path, chunk K=16 and
-   hierarchical, each as a ratio to the log-prob pass in the same process; the target: chunk K=16 <= 4x
+   bf16, 4 x (1024 + 3072) tokens), OAR-P batched across samples, chunk K=16 and hierarchical, each as a ratio to
+   the log-prob pass in the same process; the target: chunk K=16 <= 4x
    (``gpu_scale.run_model``). Estimate: benchmarks/results_gpu_scale_h200.json (log-prob 0.14 s, OAR-G 0.44 s,
    chunk K=16 2.0 s on the per-sample path) x 4 runs per row (a warm-up + 3): ~20 s; hierarchical (K=16, m=4, u=4)
    feeds ~930k tokens per sample (docs/benchmarks.md, ~24x chunk mode), so it runs once on one of the 4 rows and
@@ -202,10 +202,8 @@ def check_noise(ctx: Context) -> dict:
 def _cost(name: str, repeats: int, ctx: Context) -> dict:
     result = gpu_scale.run_model("tiny" if ctx.tiny else name, 1 if ctx.tiny else repeats, ctx.device,
                                  hierarchical_rows=1, out=ctx.partial)
-    result["oar_p_per_sample_over_batched"] = round(
-        result["oar_p_chunk16_per_sample"]["seconds"] / result["oar_p_chunk16"]["seconds"], 2)
     result["ok"] = ctx.tiny or result["target"]["met"]
-    rows = ("oar_g_fused", "oar_g_loglik_fused", "oar_p_chunk16", "oar_p_chunk16_per_sample", "oar_p_hierarchical")
+    rows = ("oar_g_fused", "oar_g_loglik_fused", "oar_p_chunk16", "oar_p_hierarchical")
     result["headline"] = "x log-prob pass: " + ", ".join(f"{k} {result[k]['x_logprob']}" for k in rows)
     if ctx.cuda:
         result["headline"] += "; peak GiB above weights: " + ", ".join(

@@ -14,16 +14,17 @@ lengths) with an 8-token answer at the end, and the recipes' old-log-prob token 
   answer logits), then one noisy forward with ``logits_to_keep`` and an input-only backward;
 - ``oar_g_loglik_fused``: OAR-G ``objective=loglik``: one forward with grad, log-probs from it;
 - ``oar_p_chunk16``: OAR-P chunk mode, K=16 (the recipes' setting), as the engines run it: the prompt fed
-  once, copies of all rows sharing calls, each from its own span on (``core.batched_perturbation``), calls
-  bounded by the same token budget; ``oar_p_chunk16_per_sample`` the path before (each row on its own, its
-  copies grouped within it); ``oar_p_hierarchical``: K=16 chunks, the top 2 refined into single tokens;
+  once, copies of all rows sharing calls, each from its own span on (``core.perturbation``), calls
+  bounded by the same token budget; ``oar_p_hierarchical``: hierarchical mode at its defaults (K=16 chunks,
+  the top 4 refined into units of 4 tokens). (The per-sample path, row ``oar_p_chunk16_per_sample`` of
+  ``results_gpu_scale_h200.json``, was removed: the batched path is the only one.)
 
 and the peak GPU memory of each (``torch.cuda.max_memory_allocated`` above the model's weights).
-``--check-exact`` checks OAR-P exact mode through the engines' batched path (``core.batched_perturbation`` over
+``--check-exact`` checks OAR-P exact mode through the engines' batched path (``core.perturbation`` over
 ``core.hf.HFRowsModel``: prompts fed once, rows of several samples and prefix lengths per call, padded in the
 middle, explicit position ids through the GPU's attention kernels) against the naive loop (one whole forward per
-copy) in float64, on a small random model in float64 / fp32 / bf16 (SDPA); ``benchmarks/gpu_acceptance.py`` adds
-flash-attention where it is installed. ``--agreement`` also compares OAR-G importance of one sequence in bf16
+copy, ``tests/_oar_p_reference.py``) in float64, on a small random model in float64 / fp32 / bf16 (SDPA);
+``benchmarks/gpu_acceptance.py`` adds flash-attention where it is installed. ``--agreement`` also compares OAR-G importance of one sequence in bf16
 with fp32 (Spearman rank correlation and overlap of the top 10% tokens). Random weights make near-uniform
 predictions, so the agreement numbers say how much bf16 rounding moves the ranking of a random model only; the
 timings and memory do not depend on the weights.
@@ -42,15 +43,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _oar_p_reference import naive_perturbation_importance  # noqa: E402  (the plain loop the tests check against)
 
 from verl_oar.core.gradient import GradientConfig, gradient_importance_in_forward  # noqa: E402
-from verl_oar.core.hf import HFPrefixModel, hf_importance  # noqa: E402
-from verl_oar.core.perturbation import (  # noqa: E402
-    PerturbationConfig,
-    naive_perturbation_importance,
-    occlusion_spans,
-    perturbation_importance,
-)
+from verl_oar.core.hf import hf_importance  # noqa: E402
+from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans  # noqa: E402
 
 SHAPES = {
     # Qwen2.5-Math-1.5B / -7B config.json (architecture only)
@@ -142,19 +141,10 @@ def oar_g(model, ids, reasoning, predict, targets, segment, objective: str, fuse
 
 
 def oar_p(model, ids, reasoning, predict, budget_tokens: int, mode: str = "chunk"):
-    """OAR-P as the engines run it: copies of all rows sharing calls (``core.batched_perturbation``)."""
+    """OAR-P as the engines run it: copies of all rows sharing calls (``core.perturbation.score_samples``)."""
     cfg = PerturbationConfig(outcome="mean", mode=mode, budget=16)
     answer = torch.roll(predict, 1, dims=1)  # the tokens the predicting positions predict
     return list(hf_importance(model, ids, reasoning, answer, cfg, neutral_id=NEUTRAL_ID, max_tokens=budget_tokens))
-
-
-def oar_p_per_sample(model, ids, reasoning, predict, budget_tokens: int):
-    """The path before cross-sample batching: each row alone, its copies grouped within it."""
-    cfg = PerturbationConfig(outcome="mean", mode="chunk", budget=16)
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    return [perturbation_importance(HFPrefixModel(model), ids[b], positions, occlusion_spans(reasoning[b], "chunk", 16),
-                                    predict[b], NEUTRAL_ID, cfg, max_tokens=budget_tokens)[0]
-            for b in range(ids.shape[0])]
 
 
 def measure(fn, repeats: int, device: str, warm: bool = True) -> tuple[float, float]:
@@ -216,7 +206,6 @@ def run_model(name: str, repeats: int, device: str, agreement: bool = False, hie
         "oar_g_fused": lambda: oar_g(model, *data, objective="noisy_kl"),
         "oar_g_loglik_fused": lambda: oar_g(model, *data, objective="loglik"),
         "oar_p_chunk16": lambda: oar_p(model, ids, reasoning, predict, shape["budget"]),
-        "oar_p_chunk16_per_sample": lambda: oar_p_per_sample(model, ids, reasoning, predict, shape["budget"]),
         "oar_p_hierarchical": lambda: oar_p(model, ids[:h], reasoning[:h], predict[:h], shape["budget"],
                                             mode="hierarchical"),
     }
@@ -263,7 +252,7 @@ def exact_samples(seed: int, device: str, tiny: bool = False) -> list:
     responses of different lengths (so the batched calls hold rows of different cached-prefix lengths, padded in
     the middle between each row's cache and its new tokens), an 8-token answer (fewer when tiny) and 2 end tokens;
     one sample has no reasoning token. Lengths: prompts 8-40 (tiny 3-8), reasoning 0-64 (tiny 0-12)."""
-    from verl_oar.core.batched_perturbation import Sample
+    from verl_oar.core.perturbation import Sample
 
     g = torch.Generator().manual_seed(seed)
     rnd = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
@@ -288,15 +277,15 @@ def exact_samples(seed: int, device: str, tiny: bool = False) -> list:
 
 
 def check_exact(device: str, attentions: tuple[str, ...] = ("sdpa",), tiny: bool = False) -> dict:
-    """Batched OAR-P exact mode (``core.batched_perturbation`` over ``core.hf.HFRowsModel``, the engines' path:
+    """Batched OAR-P exact mode (``core.perturbation`` over ``core.hf.HFRowsModel``, the engines' path:
     prompts once, rows of several samples and prefix lengths per call, padded in the middle) against the naive
     loop (one whole forward per copy, ``naive_perturbation_importance``) of the same weights in float64 (SDPA),
     AS-MEAN and AS-JOINT, for each (dtype, attention): float64 / float32 / bf16 with SDPA, bf16 with every other
     implementation in ``attentions`` (flash-attention has no float32). Also the naive loop of the same dtype
     beside it (what the dtype alone costs). ``ok``: every ``max_rel_err`` within ``EXACT_TOLERANCE``, or (not
     float64) at most twice the same dtype's naive loop's own error against float64."""
-    from verl_oar.core.batched_perturbation import batched_perturbation_importance
     from verl_oar.core.hf import HFRowsModel
+    from verl_oar.core.perturbation import batched_perturbation_importance
 
     shape = dict(EXACT_SHAPE, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2) if tiny \
         else EXACT_SHAPE

@@ -1,5 +1,5 @@
 """OAR-P ``hierarchical`` mode against ``chunk`` and ``exact``: how much of exact mode's ranking does it
-recover, for how many occluded copies (``verl_oar.core.hierarchical``).
+recover, for how many occluded copies (``verl_oar.core.perturbation.hierarchical_importance``).
 
     python benchmarks/hierarchical_quality.py [--testbed DIR] [--samples 48] [--long-lengths 256,512,1024]
         [--long-per-length 8] [--budgets 4,8,16,32,64] [--tops 1,2,4,8] [--units 1,2,4]
@@ -47,9 +47,11 @@ over the reasoning tokens (average ranks for ties). Summaries over sequences: me
 
 Methods: ``exact``; ``chunk`` K for K in ``--chunks`` (every token carries its chunk's importance);
 ``hierarchical`` K/m/u for K in ``--budgets``, m in ``--tops`` (m <= K), u in ``--units``, with each way of
-scoring unrefined tokens (``core.hierarchical.FILLS``). Compute is shared: the scorer caches every occlusion
+scoring unrefined tokens (``core.perturbation.FILLS``). Compute is shared: the scorer caches every occlusion
 (a span's importance depends only on its token set), so a refined single-token unit reuses exact mode's
-pass; the costs reported are what each configuration scores on its own (``HierarchicalStats.occlusions``).
+pass, and scores the occlusions it has not seen through the batched path (all sequences' new spans in one
+``batched_perturbation_importance``); the costs reported are what each configuration scores on its own
+(``HierarchicalStats.occlusions``).
 ``target`` per family: the configurations at mean passes <= 0.1, the best chunk and hierarchical one by mean
 recall@0.1, and whether one reaches mean recall@0.1 >= 0.95 (``TARGET``).
 
@@ -77,10 +79,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verl_oar.core.hf import HFPrefixModel
-from verl_oar.core.hierarchical import FILLS, hierarchical_importance
+from verl_oar.core.hf import HFRowsModel
 from verl_oar.core.outcome import padded_predicting_positions
-from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
+from verl_oar.core.perturbation import (
+    FILLS,
+    PerturbationConfig,
+    Sample,
+    batched_perturbation_importance,
+    hierarchical_importance,
+    occlusion_spans,
+)
 from verl_oar.core.token_ranking import top_fraction_mask
 from verl_oar.testbed.machine import machine_info
 
@@ -106,37 +114,43 @@ class Sequence_:
 
 
 class CachedScorer:
-    """``score_spans`` over ``perturbation_importance`` one sequence at a time, caching every occlusion."""
+    """``score_spans`` over ``batched_perturbation_importance``, caching every occlusion: each call scores the
+    spans no earlier call scored, of all sequences in one batched pass."""
 
     def __init__(self, model, sequences, neutral_id: int, cfg: PerturbationConfig):
-        self.model = HFPrefixModel(model)
+        self.model = HFRowsModel(model, pad_id=neutral_id)
         self.sequences = sequences
         self.neutral_id = neutral_id
         self.cfg = cfg
         self.cache: list[dict[tuple[int, ...], float]] = [{} for _ in sequences]
         self.computed = 0
 
-    def score(self, b: int, span: torch.Tensor) -> torch.Tensor:
-        seq, cache = self.sequences[b], self.cache[b]
-        num = int(span.max()) + 1 if span.numel() else 0
-        keys = [tuple((span == s).nonzero().squeeze(1).tolist()) for s in range(num)]
-        todo = [s for s in range(num) if keys[s] not in cache]
-        if todo:
-            sub = torch.full_like(span, -1)
-            for j, s in enumerate(todo):  # span ids are in position order, so todo is too
-                sub[span == s] = j
-            imp, cost = perturbation_importance(self.model, seq.ids, seq.positions, sub, seq.predict, self.neutral_id,
-                                                self.cfg, MAX_TOKENS)
-            self.computed += cost.copies
-            for j, s in enumerate(todo):
-                cache[keys[s]] = float(imp[sub == j][0])
-        out = torch.zeros(span.shape, dtype=torch.float32)
-        for s in range(num):
-            out[span == s] = cache[keys[s]]
-        return out
-
     def __call__(self, spans):
-        return [self.score(b, span) for b, span in enumerate(spans)]
+        keys, todos, samples = [], [], []
+        for seq, cache, span in zip(self.sequences, self.cache, spans, strict=True):
+            num = int(span.max()) + 1 if span.numel() else 0
+            keys.append([tuple((span == s).nonzero().squeeze(1).tolist()) for s in range(num)])
+            todos.append([s for s in range(num) if keys[-1][s] not in cache])
+            sub = torch.full_like(span, -1)
+            for j, s in enumerate(todos[-1]):  # span ids are in position order, so todo is too
+                sub[span == s] = j
+            first = seq.reasoning.nonzero()
+            samples.append(Sample(seq.ids, seq.positions, sub, seq.predict,
+                                  prompt_len=int(first[0]) if first.numel() else 0))
+        if any(todos):
+            importance, _, cost = batched_perturbation_importance(self.model, samples, self.neutral_id, self.cfg,
+                                                                  MAX_TOKENS)
+            self.computed += cost.copies
+            for cache, key, todo, sample, imp in zip(self.cache, keys, todos, samples, importance, strict=True):
+                for j, s in enumerate(todo):
+                    cache[key[s]] = float(imp[sample.span == j][0])
+        out = []
+        for cache, key, span in zip(self.cache, keys, spans, strict=True):
+            scored = torch.zeros(span.shape, dtype=torch.float32)
+            for s in range(len(key)):
+                scored[span == s] = cache[key[s]]
+            out.append(scored)
+        return out
 
 
 def rankdata(x: np.ndarray) -> np.ndarray:

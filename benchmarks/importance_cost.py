@@ -11,7 +11,7 @@ reported as the median over ``--repeats`` runs divided by the median of the log-
 log-probability, what verl's old-log-prob step computes), not verl's engine pass (FSDP2, its
 micro-batching and post-processing); the two ``fused`` rows below re-implement the worker's fused pass
 the same way. The importance rows call the package's own functions (``hf_importance``,
-``perturbation_importance``). Through verl's real engine, the fused pass's log-probs are checked
+``batched_perturbation_importance``). Through verl's real engine, the fused pass's log-probs are checked
 bit-identical to verl's own (tests/engine/test_engine_importance_on_cpu.py), not timed. Rows:
 
 - ``reference structure``: the public OAR code's structure -- a per-sample loop, a clean and a
@@ -29,23 +29,24 @@ old-log-prob step, so their extra cost over plain GRPO is the fused total minus 
 
 Answers are the last 8 tokens of each response; reasoning is everything before them.
 
-OAR-P (``verl_oar.core.perturbation``, occlusion by the neutral id 0, AS-MEAN) scores one
-sequence at a time, so its rows loop over the batch's sequences (the same batch as the OAR-G rows).
-Per size, the OAR-P rows, the log-prob pass (batched, and one sequence at a time) and ``noisy_kl
+OAR-P (``verl_oar.core.perturbation``, occlusion by the neutral id 0, AS-MEAN) scores the batch's
+sequences together, copies of all of them sharing model calls as the engines run it (the same batch as the
+OAR-G rows; every sequence has its own random prompt, so no prompt is shared). Per size, the OAR-P rows, the log-prob pass (batched, and one sequence at a time) and ``noisy_kl
 (ours)`` (these three 3 times a round) are timed again together in ``--p-repeats`` round-robin rounds
-(warm-up: the first sequence), so that a slow spell of a shared machine slows every row alike; each
+(warm-up: the first sequence alone), so that a slow spell of a shared machine slows every row alike; each
 row's median is reported as the
 ratio to the batched log-prob pass over the same sequences (``x log-prob``, i.e. log-prob passes per
 sequence), to the log-prob pass run one sequence at a time (``x 1-seq log-prob``), to ``noisy_kl
 (ours)`` (``x OAR-G``), and to the naive row. Rows:
 
-- ``OAR-P naive``: ``naive_perturbation_importance``: a clean and one occluded whole-sequence
-  forward per reasoning token, batch 1, no cache; its logits_fn computes only the answer-predicting
-  positions' logits (``logits_to_keep``), as ours does. It is timed on the first ``--naive-seqs``
-  sequences (default 2; 0: all) and scaled linearly to the batch (labelled ``scaled``): every
-  sequence has the same length and spans, so this only saves time;
-- ``OAR-P exact (ours)``: ``perturbation_importance``, one span per reasoning token, copies batched up
-  to ``--max-tokens`` tokens per model call, each group continuing the clean pass's KV cache;
+- ``OAR-P naive``: the plain reference loop (``tests/_oar_p_reference.py``): a clean and one occluded
+  whole-sequence forward per reasoning token, batch 1, no cache; its logits_fn computes only the
+  answer-predicting positions' logits (``logits_to_keep``), as ours does. It is timed on the first
+  ``--naive-seqs`` sequences (default 2; 0: all) and scaled linearly to the batch (labelled ``scaled``):
+  every sequence has the same length and spans, so this only saves time;
+- ``OAR-P exact (ours)``: ``batched_perturbation_importance`` over ``core.hf.HFRowsModel``, one span per
+  reasoning token, copies of all sequences packed into calls of up to ``--max-tokens`` padded tokens, each
+  copy continuing its sequence's clean KV cache from its span on;
 - ``OAR-P exact, no prefix sharing``: the same batching, every copy recomputed from position 0: the
   prefix saving alone is (no sharing - exact), the batching saving alone is (naive - no sharing);
 - ``OAR-P chunk K=...`` (``--budgets``): at most K contiguous chunks per response;
@@ -72,19 +73,23 @@ import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from verl_oar.core.gradient import GradientConfig
-from verl_oar.core.hf import HFPrefixModel, hf_importance
+from verl_oar.core.hf import HFRowsModel, hf_importance
+from verl_oar.core.outcome import answer_log_likelihood
 from verl_oar.core.perturbation import (
     PerturbationConfig,
     PerturbationCost,
-    naive_perturbation_importance,
+    Sample,
+    batched_perturbation_importance,
     occlusion_spans,
-    perturbation_importance,
 )
-from verl_oar.core.outcome import answer_log_likelihood
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _oar_p_reference import naive_perturbation_importance  # noqa: E402  (the plain loop the tests check against)
 
 
 def build_model(vocab: int, hidden: int, layers: int):
@@ -194,37 +199,45 @@ def naive_logits_fn(model, keep):
 
 
 class PerturbationRun:
-    """One OAR-P variant over the batch's sequences, one sequence at a time (as the worker does)."""
+    """One OAR-P variant over the batch's sequences: the batched path on all of them at once (as the engines run
+    it), or the naive loop one sequence at a time."""
 
-    def __init__(self, model, prefix_model, ids, reasoning, predict, line_end, mode, budget, share_prefix,
-                 max_tokens, naive=False):
-        self.model, self.prefix_model, self.ids, self.predict = model, prefix_model, ids, predict
+    def __init__(self, model, ids, reasoning, predict, line_end, mode, budget, share_prefix, max_tokens, naive=False):
+        self.model, self.ids, self.predict = model, ids, predict
         self.naive, self.max_tokens = naive, max_tokens
+        self.rows_model = HFRowsModel(model, pad_id=NEUTRAL_ID)
         self.cfg = PerturbationConfig(outcome="mean", mode=mode, budget=budget, share_prefix=share_prefix)
-        self.positions = torch.arange(ids.shape[1])
         self.spans = [occlusion_spans(reasoning[i], mode, budget, line_end[i]) for i in range(ids.shape[0])]
 
-    def sequence(self, i: int):
-        """(importance, cost) of sequence i."""
-        if self.naive:
-            keep = self.predict[i].nonzero().squeeze(1)
-            importance = naive_perturbation_importance(
-                naive_logits_fn(self.model, keep), self.ids[i], self.spans[i], self.predict[i], NEUTRAL_ID, "mean"
-            )
-            spans, length = int(self.spans[i].max()) + 1, self.ids.shape[1]
-            return importance, PerturbationCost(forwards=spans + 1, copies=spans, tokens=(spans + 1) * length,
-                                                peak_call_tokens=length)
-        return perturbation_importance(
-            self.prefix_model, self.ids[i], self.positions, self.spans[i], self.predict[i], NEUTRAL_ID, self.cfg,
-            max_tokens=self.max_tokens,
+    def naive_sequence(self, i: int):
+        """(importance, cost) of sequence i through the naive loop."""
+        keep = self.predict[i].nonzero().squeeze(1)
+        importance = naive_perturbation_importance(
+            naive_logits_fn(self.model, keep), self.ids[i], self.spans[i], self.predict[i], NEUTRAL_ID, "mean"
         )
+        spans, length = int(self.spans[i].max()) + 1, self.ids.shape[1]
+        return importance, PerturbationCost(forwards=spans + 1, copies=spans, tokens=(spans + 1) * length,
+                                            peak_call_tokens=length)
+
+    def importance(self, sequences: int | None = None) -> tuple[list[torch.Tensor], PerturbationCost]:
+        """Importance of the first ``sequences`` (default: all), one (T,) tensor each, and their summed cost."""
+        count = self.ids.shape[0] if sequences is None else sequences
+        if self.naive:
+            out, cost = [], PerturbationCost()
+            for i in range(count):
+                importance, c = self.naive_sequence(i)
+                out.append(importance)
+                cost.add(c)
+            return out, cost
+        positions = torch.arange(self.ids.shape[1])
+        samples = [Sample(self.ids[i], positions, self.spans[i], self.predict[i]) for i in range(count)]
+        out, _, cost = batched_perturbation_importance(self.rows_model, samples, NEUTRAL_ID, self.cfg,
+                                                       self.max_tokens)
+        return out, cost
 
     def __call__(self, sequences: int | None = None) -> PerturbationCost:
-        """Run the first ``sequences`` (default: all); return their summed cost."""
-        cost = PerturbationCost()
-        for i in range(self.ids.shape[0] if sequences is None else sequences):
-            cost.add(self.sequence(i)[1])
-        return cost
+        """Run the first ``sequences`` (default: all); return their cost."""
+        return self.importance(sequences)[1]
 
 
 def time_interleaved(timers: dict, rounds: int) -> tuple[dict, dict]:
@@ -254,12 +267,11 @@ def perturbation_block(args, model, ids, reasoning, predict, targets, segment, c
     The log-prob passes and OAR-G's noisy_kl row are timed again here, interleaved with the OAR-P rows."""
     b, t = ids.shape
     line_end = line_ends(reasoning, args.line_len)
-    prefix_model = HFPrefixModel(model)
     r = int(reasoning[0].sum())
 
     def run(mode, budget=16, share_prefix=True, naive=False):
-        return PerturbationRun(model, prefix_model, ids, reasoning, predict, line_end, mode, budget, share_prefix,
-                               args.max_tokens, naive=naive)
+        return PerturbationRun(model, ids, reasoning, predict, line_end, mode, budget, share_prefix, args.max_tokens,
+                               naive=naive)
 
     naive_seqs = min(b, args.naive_seqs) if args.naive_seqs > 0 else b
     naive_label = "OAR-P naive" + (f" (timed on {naive_seqs}/{b} seqs, scaled)" if naive_seqs < b else "")
@@ -273,10 +285,10 @@ def perturbation_block(args, model, ids, reasoning, predict, targets, segment, c
     ]
 
     # sanity: ours equals the naive reference (same spans, same model) on the first sequence
-    naive_exact = run("exact", naive=True).sequence(0)[0]
-    naive_chunk = run("chunk", 16, naive=True).sequence(0)[0]
+    naive_exact = run("exact", naive=True).naive_sequence(0)[0]
+    naive_chunk = run("chunk", 16, naive=True).naive_sequence(0)[0]
     checks = [
-        (label, (variant.sequence(0)[0] - reference).abs().max().item())
+        (label, (variant.importance(1)[0][0] - reference).abs().max().item())
         for label, variant, reference in [
             ("exact", exact, naive_exact),
             ("exact, no prefix sharing", variants[2][2], naive_exact),
@@ -284,17 +296,15 @@ def perturbation_block(args, model, ids, reasoning, predict, targets, segment, c
         ]
     ]
 
-    shared_vs_not = "identical" if torch.equal(exact.sequence(0)[0], variants[2][2].sequence(0)[0]) else "differ"
+    shared_vs_not = ("identical" if torch.equal(exact.importance(1)[0][0], variants[2][2].importance(1)[0][0])
+                     else "differ")
     if check64:  # the same in float64: what is left above is rounding, not a different computation
         model64 = copy.deepcopy(model).double()
-        prefix64 = HFPrefixModel(model64)
-        exact64, naive64 = (
-            PerturbationRun(model64, prefix64, ids[:1], reasoning[:1], predict[:1], line_end[:1], "exact", 16, True,
-                            args.max_tokens, naive=naive).sequence(0)[0]
-            for naive in (False, True)
-        )
+        run64 = PerturbationRun(model64, ids[:1], reasoning[:1], predict[:1], line_end[:1], "exact", 16, True,
+                                args.max_tokens)
+        exact64, naive64 = run64.importance(1)[0][0], run64.naive_sequence(0)[0]
         checks.append(("exact in float64", (exact64 - naive64).abs().max().item()))
-        del model64, prefix64
+        del model64, run64
 
     oar_g = partial(ours, model, ids, reasoning, predict, targets, segment, "noisy_kl")
     timers = {  # the short baselines run 3 times a round

@@ -1,30 +1,40 @@
-"""OAR-P at scale: copies batched across samples (``core.batched_perturbation``, what the engines run) against
-the per-sample path it replaced (``core.perturbation.perturbation_importance``, one sample at a time), as
-tokens fed per sample and wall time in log-prob passes, all rows timed in one process, round-robin.
+"""OAR-P at scale: copies batched across samples (``core.perturbation``, the one path the engines run) against
+the plain reference loop (``tests/_oar_p_reference.py``: one whole-sequence forward per occlusion, one sample at a
+time, no cache), as tokens fed per sample and wall time in log-prob passes, all rows timed in one process,
+round-robin.
 
     python benchmarks/oar_p_batching.py [--shapes 256,1024,4096,mixed] [--rounds 3] [--max-tokens 8192]
         [--hierarchical K:m:unit,...] [--out FILE]
+    python benchmarks/oar_p_batching.py --shapes 128 --rounds 1 --hierarchical 4:1:4   # a smoke run, seconds
 
 Model: a random tiny Qwen2 (vocabulary 2048, hidden 128, 4 layers, fp32, sdpa, CPU), as
 ``benchmarks/importance_cost.py``. Batches: prompts of 64 tokens, each answered by several responses (a GRPO
 group: the responses of a prompt share it), the answer the last 8 tokens, reasoning everything between:
 
-- ``256`` / ``1024`` / ``4096``: 8 / 8 / 2 responses of that total length (2 prompts; 1 at 4096);
+- ``256`` / ``1024`` / ``4096``: 8 / 8 / 2 responses of that total length (2 prompts; 1 at 4096); another number
+  above 72 (e.g. ``128``) is the 256 layout at that length;
 - ``mixed``: 64 responses, 8 prompts x 8, response lengths drawn like a real rollout (log-normal, median 300
   tokens, many short and a few long, clipped to [24, 3000]).
 
 Rows (the baseline is the first): ``log-prob pass`` (a no-grad forward computing every token's log-prob,
 samples sorted by length and packed into calls of at most ``--max-tokens`` padded tokens, like verl's dynamic
 batch size), and the same one sequence at a time (column ``x 1-seq``: the unit of
-``benchmarks/importance_cost.py``'s OAR-P table); for ``chunk K=16`` and ``exact`` (exact only at 256: it
-grows like R^2) the ``per-sample``
-path and the ``batched`` one; ``hierarchical`` (batched) for each ``--hierarchical`` setting (not at 4096: minutes
-per run on CPU). Columns: median
-seconds, ratio to the log-prob pass (``x log-prob``: log-prob passes per batch), tokens fed per sample (cached
-prefixes not counted; the log-prob pass feeds the sample's length), model calls. Before timing, each batched row
-is checked against the per-sample one on the same batch (max abs difference in fp32; they are equal in float64,
-tests/unit/test_batched_perturbation_on_cpu.py). Absolute times depend on the machine (reported); ratios are
-the finding, and a GPU will differ (bigger calls pay off more there).
+``benchmarks/importance_cost.py``'s OAR-P table); for ``chunk K=16`` and ``exact`` (exact only up to 256 tokens: it
+grows like R^2) the ``reference loop`` (its logits_fn computes only the predicting positions' logits, as
+``importance_cost.py``'s naive row) and ``batched``; ``hierarchical`` (batched) for each ``--hierarchical`` setting
+(not at 4096: minutes per run on CPU). Before timing, each batched row is checked against the reference loop on
+the same batch (max abs difference in fp32; equal to 1e-10 in float64, tests/unit/test_batched_perturbation_on_cpu.py).
+Absolute times depend on the machine (reported); ratios are the finding, and a GPU will differ (bigger calls pay off
+more there). Until the commit that made the batched path the only one, the second arm was the per-sample cached
+path (``perturbation_importance``, removed); ``benchmarks/results_oar_p_batching_cpu.json`` is from then (its rows
+``..., per-sample`` and key ``checks_max_abs_diff_vs_per_sample``).
+
+Output (``--out``, JSON): ``command``; ``machine`` (``testbed.machine.machine_info`` and ``torch_threads``);
+``model`` (vocab, hidden, layers, dtype); ``max_tokens``; ``rounds``; ``shapes``: per shape ``samples``,
+``mean_length``, ``max_length``, ``checks_max_abs_diff_vs_reference`` (batched row -> max |batched - reference|) and
+``rows``: per row ``median_s``, ``x_log_prob`` (median / the log-prob pass's), ``x_one_sequence_log_prob``,
+``range_x`` (fastest and slowest round, in log-prob passes), ``tokens_per_sample`` (fed, cached prefixes not
+counted), ``calls`` (model calls) and ``copies_per_sample``.
 """
 
 from __future__ import annotations
@@ -40,15 +50,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from importance_cost import build_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _oar_p_reference import naive_perturbation_importance  # noqa: E402  (the plain loop the tests check against)
+from importance_cost import build_model, naive_logits_fn  # noqa: E402
 
-from verl_oar.core.batched_perturbation import Row, Sample, batched_perturbation_importance, plan_calls, score_samples  # noqa: E402
-from verl_oar.core.hf import HFPrefixModel, HFRowsModel  # noqa: E402
+from verl_oar.core.hf import HFRowsModel  # noqa: E402
 from verl_oar.core.perturbation import (  # noqa: E402
     PerturbationConfig,
     PerturbationCost,
+    Row,
+    Sample,
+    batched_perturbation_importance,
     occlusion_spans,
-    perturbation_importance,
+    plan_calls,
+    score_samples,
 )
 
 VOCAB, HIDDEN, LAYERS, PROMPT, ANSWER, NEUTRAL = 2048, 128, 4, 64, 8, 0
@@ -63,6 +78,9 @@ def make_samples(shape: str, seed: int = 0) -> list[Sample]:
                    for _ in range(groups * per_group)]
     else:
         total = int(shape)
+        if total <= PROMPT + ANSWER:
+            raise ValueError(f"shape {shape}: a length must leave reasoning tokens after the {PROMPT}-token prompt "
+                             f"and before the {ANSWER}-token answer")
         groups, per_group = (1, 2) if total >= 4096 else (2, 4)
         lengths = [total - PROMPT] * (groups * per_group)
     samples = []
@@ -102,14 +120,16 @@ def logprob_pass(model, samples: list[Sample], max_tokens: int) -> PerturbationC
     return cost
 
 
-def per_sample(model, samples, cfg, max_tokens):
-    """The path the engines ran before: one sample at a time, its copies grouped within it."""
-    prefix_model, cost, out = HFPrefixModel(model), PerturbationCost(), []
+def reference_loop(model, samples, cfg, max_tokens):
+    """The plain reference: one sample at a time, one whole-sequence forward per span (``max_tokens`` unused)."""
+    cost, out = PerturbationCost(), []
     for s in samples:
-        importance, c = perturbation_importance(prefix_model, s.ids, s.positions, s.span, s.predict, NEUTRAL, cfg,
-                                                max_tokens=max_tokens, temperature=s.temperature)
-        out.append(importance)
-        cost.add(c)
+        keep = s.predict.nonzero().squeeze(1)
+        out.append(naive_perturbation_importance(naive_logits_fn(model, keep), s.ids, s.span, s.predict, NEUTRAL,
+                                                 cfg.outcome, s.temperature))
+        spans = int(s.span.max()) + 1 if (s.span >= 0).any() else 0
+        cost.add(PerturbationCost(forwards=spans + 1, copies=spans, tokens=(spans + 1) * s.ids.numel(),
+                                  peak_call_tokens=s.ids.numel()))
     return out, cost
 
 
@@ -129,11 +149,11 @@ def method_runs(model, samples, shape: str, args) -> dict:
     """name -> (callable returning (importance, cost), spans per sample)"""
     runs = {}
     modes = [("chunk K=16", PerturbationConfig(mode="chunk", budget=16))]
-    if shape == "256":  # exact grows like R^2 tokens: 1024 would take minutes per run on CPU
+    if shape != "mixed" and int(shape) <= 256:  # exact grows like R^2 tokens: 1024 would take minutes per run on CPU
         modes.append(("exact", PerturbationConfig(mode="exact")))
     for label, cfg in modes:
         spans = [occlusion_spans(reasoning_of(s), cfg.mode, cfg.budget) for s in samples]
-        for path, fn in (("per-sample", per_sample), ("batched", batched)):
+        for path, fn in (("reference loop", reference_loop), ("batched", batched)):
             runs[f"{label}, {path}"] = (fn, cfg, spans)
     # hierarchical at 4096 is minutes per run on CPU (~930k tokens fed per sample at K=16 m=4 u=4)
     for setting in filter(None, args.hierarchical.split(",") if shape != "4096" else []):
@@ -169,10 +189,10 @@ def main(argv=None) -> None:
 
         checks = {}
         for name in runs:
-            if name.endswith("batched") and name.replace("batched", "per-sample") in runs:
+            if name.endswith("batched") and name.replace("batched", "reference loop") in runs:
                 new, _ = call(name)
-                old, _ = call(name.replace("batched", "per-sample"))
-                checks[name] = max(float((a - b).abs().max()) for a, b in zip(new, old, strict=True))
+                reference, _ = call(name.replace("batched", "reference loop"))
+                checks[name] = max(float((a - b).abs().max()) for a, b in zip(new, reference, strict=True))
         timers = {"log-prob pass": lambda: logprob_pass(model, samples, args.max_tokens),
                   "log-prob pass, one sequence at a time": lambda: logprob_pass(model, samples, 1)}
         timers.update({name: (lambda name=name: call(name)[1]) for name in runs})
@@ -187,7 +207,7 @@ def main(argv=None) -> None:
         lengths = [s.ids.numel() for s in samples]
         results[shape] = {
             "samples": len(samples), "mean_length": statistics.mean(lengths), "max_length": max(lengths),
-            "checks_max_abs_diff_vs_per_sample": checks,
+            "checks_max_abs_diff_vs_reference": checks,
             "rows": {name: {"median_s": round(statistics.median(ts), 4),
                             "x_log_prob": round(statistics.median(ts) / base, 3),
                             "x_one_sequence_log_prob": round(statistics.median(ts) / base_one, 3),
@@ -198,7 +218,7 @@ def main(argv=None) -> None:
                      for name, ts in times.items()},
         }
         print(f"\nshape {shape}: {len(samples)} samples, mean length {statistics.mean(lengths):.0f}, "
-              f"max {max(lengths)}; max |batched - per-sample| {checks}")
+              f"max {max(lengths)}; max |batched - reference loop| {checks}")
         print(f"{'row':44s} {'median s':>9s} {'x log-prob':>11s} {'range':>13s} {'x 1-seq':>8s} {'tokens/sample':>14s} "
               f"{'calls':>6s}")
         for name, row in results[shape]["rows"].items():

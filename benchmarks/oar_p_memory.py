@@ -1,6 +1,7 @@
-"""Peak memory of OAR-P's pass (``core.batched_perturbation``) against the number of occluded copies, at a fixed
-per-call token budget: the current path, which reduces each model call's logits before the next call, against the
-old one, which kept every row's logits until its stage ended (``--old-ref``'s module, loaded from a temp dir).
+"""Peak memory of OAR-P's pass (``core.perturbation.batched_perturbation_importance``) against the number of occluded
+copies, at a fixed per-call token budget: the current path, which reduces each model call's logits before the next
+call, against the old one, which kept every row's logits until its stage ended (``--old-ref``'s ``verl_oar``
+package, extracted with ``git archive`` into a temp dir and imported from there in its own processes).
 
     python benchmarks/oar_p_memory.py [--samples 1,4,16,64] [--reasoning 16] [--vocab 32768] [--max-tokens 512]
         [--layouts share,full] [--repeats 3] [--old-ref 52bc6a4] [--out FILE]
@@ -26,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -49,19 +52,20 @@ def _status(key: str) -> int:
 
 
 def _child(spec: dict) -> dict:
-    """One measurement (module docstring); ``spec``: impl, old_dir, layout, samples, reasoning, vocab, max_tokens."""
+    """One measurement (module docstring); ``spec``: impl, tree (the folder ``verl_oar`` is imported from), layout,
+    samples, reasoning, vocab, max_tokens."""
     import gc
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    import verl_oar
     from verl_oar.core.hf import HFRowsModel
     from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans
 
-    if spec["impl"] == "old":
-        sys.path.insert(0, spec["old_dir"])
-        module = importlib.import_module("old_batched_perturbation")
-    else:
+    assert Path(verl_oar.__file__).resolve().is_relative_to(Path(spec["tree"]).resolve()), verl_oar.__file__
+    module = importlib.import_module("verl_oar.core.perturbation")
+    if not hasattr(module, "batched_perturbation_importance"):  # before the one package: its own module
         module = importlib.import_module("verl_oar.core.batched_perturbation")
 
     torch.set_num_threads(1)  # memory does not depend on it; one thread keeps the run short on a shared machine
@@ -106,10 +110,11 @@ def _child(spec: dict) -> dict:
             "all_logits_mib": sum(sizes) / MIB}
 
 
-def _old_module(ref: str, directory: str) -> None:
-    source = subprocess.run(["git", "show", f"{ref}:verl_oar/core/batched_perturbation.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    Path(directory, "old_batched_perturbation.py").write_text(source)
+def _old_tree(ref: str, directory: str) -> None:
+    """``ref``'s ``verl_oar`` package, extracted into ``directory``."""
+    archive = subprocess.run(["git", "archive", ref, "verl_oar"], cwd=ROOT, check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(directory, filter="data")
 
 
 def main(argv=None) -> None:
@@ -121,7 +126,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layouts", default="share,full")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--old-ref", default="52bc6a4",
-                        help="git ref whose core/batched_perturbation.py is the old path ('' to skip it)")
+                        help="git ref whose verl_oar package is the old path ('' to skip it)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -136,16 +141,18 @@ def main(argv=None) -> None:
     runs: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as old_dir:
         if args.old_ref:
-            _old_module(args.old_ref, old_dir)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            _old_tree(args.old_ref, old_dir)
+        trees = {"new": str(ROOT), "old": old_dir}
         for repeat in range(args.repeats):
             for layout in layouts:
                 for n in counts:
                     for impl in impls:
-                        spec = {"impl": impl, "old_dir": old_dir, "layout": layout, "samples": n,
+                        spec = {"impl": impl, "tree": trees[impl], "layout": layout, "samples": n,
                                 "reasoning": args.reasoning, "vocab": args.vocab, "max_tokens": args.max_tokens}
-                        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
-                                             check=True, capture_output=True, text=True, timeout=600)
+                        path = os.pathsep.join(filter(None, [trees[impl], os.environ.get("PYTHONPATH")]))
+                        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                                             env={**os.environ, "PYTHONPATH": path}, check=True, capture_output=True,
+                                             text=True, timeout=600)
                         runs.setdefault((layout, n, impl), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
                         print(f"repeat {repeat} {layout} {n} {impl}: {runs[layout, n, impl][-1]}", file=sys.stderr)
     rows = []
@@ -175,7 +182,7 @@ def main(argv=None) -> None:
         "workload": {"prompt": PROMPT, "reasoning": args.reasoning, "answer": ANSWER, "mode": "exact",
                      "samples": counts,
                      "max_tokens": args.max_tokens, "repeats": args.repeats,
-                     "old": f"{args.old_ref}:verl_oar/core/batched_perturbation.py" if args.old_ref else None,
+                     "old": f"{args.old_ref}:verl_oar" if args.old_ref else None,
                      "one_call_logits_bound_mib": round(args.max_tokens * args.vocab * 4 / MIB, 1)},
         "rows": rows,
     }

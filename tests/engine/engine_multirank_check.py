@@ -127,15 +127,15 @@ def _track_unsharded_bytes(module) -> dict:
 
 
 def hierarchical_reference(model_dir, tokenizer, prompts, responses, oar: dict, temperature: float):
-    """OAR-P hierarchical mode per sequence on plain transformers: ``core.hierarchical`` with the naive
-    whole-sequence forward per occluded span as its scorer."""
+    """OAR-P hierarchical mode per sequence on plain transformers: ``core.perturbation.hierarchical_importance``
+    with the naive whole-sequence forward per occluded span as its scorer."""
     import torch
+    from _oar_p_reference import naive_perturbation_importance  # tests/ is on the path (engine_importance_check)
     from transformers import AutoModelForCausalLM
 
     from verl_oar.core.answer_span import locate_answer_tokens
     from verl_oar.core.config import OARConfig
-    from verl_oar.core.hierarchical import hierarchical_importance
-    from verl_oar.core.perturbation import naive_perturbation_importance
+    from verl_oar.core.perturbation import hierarchical_importance
 
     cfg = OARConfig(**oar)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()

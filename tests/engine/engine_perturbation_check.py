@@ -24,11 +24,12 @@ EXTRA_RESPONSES = ["1 \\boxed{1}", "5 and 5.\nThat is ten.\nSo \\boxed{10}"]
 
 def naive_reference(model_dir, tokenizer, prompts, responses, oar: dict, temperature: float) -> list[torch.Tensor]:
     """One whole-sequence plain-transformers forward per occluded span, per sequence."""
+    from _oar_p_reference import naive_perturbation_importance  # tests/ is on the path (engine_importance_check)
     from transformers import AutoModelForCausalLM
 
     from verl_oar.core.answer_span import line_break_tokens, locate_answer_tokens
     from verl_oar.core.config import OARConfig
-    from verl_oar.core.perturbation import naive_perturbation_importance, occlusion_spans
+    from verl_oar.core.perturbation import occlusion_spans
 
     cfg = OARConfig(**oar)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()

@@ -234,8 +234,9 @@ def test_megatron_oar_g_leaves_parameters_grads_and_router_counters_as_found(tp2
 @pytest.mark.parametrize("max_tokens", [1, 10_000])
 def test_megatron_oar_p_rows_model_equals_the_naive_loop(thd, mode, outcome, max_tokens):
     """Copies of all samples batched across samples (rows of different lengths in one packed call)."""
-    from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
-    from verl_oar.core.perturbation import PerturbationConfig, naive_perturbation_importance, occlusion_spans
+    from _oar_p_reference import naive_perturbation_importance
+
+    from verl_oar.core.perturbation import PerturbationConfig, Sample, batched_perturbation_importance, occlusion_spans
     from verl_oar.engines.megatron.perturbation import MegatronRowsModel
 
     toy = ToyGPT(seed=11)
@@ -260,7 +261,7 @@ def test_megatron_oar_p_rows_model_equals_the_naive_loop(thd, mode, outcome, max
 
 
 def test_megatron_oar_p_rows_model_refuses_a_prefix_cache_and_shifted_positions():
-    from verl_oar.core.batched_perturbation import Row
+    from verl_oar.core.perturbation import Row
     from verl_oar.engines.megatron.perturbation import MegatronRowsModel
 
     model = MegatronRowsModel(fake_forward(ToyGPT(), 1, 0, False, True))

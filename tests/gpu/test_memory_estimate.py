@@ -14,7 +14,7 @@ inputs) and compares it with the estimate of the same pass:
 * ``oar_g_<objective>``: OAR-G as ``engines/fsdp/gradient.py`` runs it (``core.hf.OutcomeHead`` +
   ``core.gradient.gradient_importance_in_forward``, the parameters requiring grad as the actor's), not fused,
   unmasked SDPA (it keeps what flash-attention keeps: the estimate's ``flash_attention_2``);
-* ``oar_p_<mode>``: ``core.batched_perturbation.score_samples`` over ``core.hf.HFRowsModel`` (SDPA with padding
+* ``oar_p_<mode>``: ``core.perturbation.score_samples`` over ``core.hf.HFRowsModel`` (SDPA with padding
   masks: the estimate's ``sdpa``), chunk K=16, exact, hierarchical;
 * ``acpo_blocks``: ``engines.fsdp.modal.top1_log_probs`` on CUDA (``DEFAULT_BLOCK_BYTES`` blocks).
 
@@ -146,10 +146,9 @@ def case_oar_g(objective: str, checkpointing: bool = False) -> dict:
 
 
 def case_oar_p(mode: str) -> dict:
-    from verl_oar.core.batched_perturbation import Sample, score_samples
     from verl_oar.core.hf import HFRowsModel
     from verl_oar.core.memory_estimate import MARKER_TOKENS, EstimatorSettings, ModelShape, RunShape, estimate
-    from verl_oar.core.perturbation import PerturbationConfig
+    from verl_oar.core.perturbation import PerturbationConfig, Sample, score_samples
 
     model, config = _model()
     prompt, response, answer = PROMPT, EXACT_RESPONSE if mode == "exact" else RESPONSE, 8

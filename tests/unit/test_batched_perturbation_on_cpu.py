@@ -1,4 +1,4 @@
-"""OAR-P with copies of different samples in one model call (``verl_oar.core.batched_perturbation`` through
+"""OAR-P with copies of different samples in one model call (``verl_oar.core.perturbation`` through
 ``core.hf.HFRowsModel``) against the naive loop (one whole-sequence forward per occluded copy), on a tiny
 float64 Qwen2 and fresh random batches: mixed lengths, prompts shared by several responses, samples without
 an answer or without reasoning, every outcome, every span mode, tight and loose call budgets."""
@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _oar_p_reference import naive_perturbation_importance
 from _tiny_models import tiny_qwen2
 
-from verl_oar.core.batched_perturbation import (
+from verl_oar.core.hf import HFRowsModel
+from verl_oar.core.outcome import OUTCOMES
+from verl_oar.core.perturbation import (
     CACHE_FACTOR,
     WASTE_FRACTION,
+    PerturbationConfig,
     Row,
     Sample,
     batched_perturbation_importance,
     cached_tokens,
     call_tokens,
+    occlusion_spans,
     plan_calls,
 )
-from verl_oar.core.hf import HFRowsModel
-from verl_oar.core.outcome import OUTCOMES
-from verl_oar.core.perturbation import PerturbationConfig, naive_perturbation_importance, occlusion_spans
 
 VOCAB = 97
 NEUTRAL = 0

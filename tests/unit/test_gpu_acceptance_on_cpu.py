@@ -65,8 +65,7 @@ def test_every_check_runs_at_tiny_sizes_and_reports(tmp_path):
     assert checks["oar_p_exact"]["cases"]["float64_sdpa"]["mean"]["max_rel_err"] <= 1e-6
     assert checks["oar_g_noise_device"]["bit_identical"] and all(checks["oar_g_noise_device"]["bit_identical"].values())
     for cost in ("oar_cost_1.5b", "oar_cost_7b"):
-        assert {"logprob", "oar_g_fused", "oar_p_chunk16", "oar_p_chunk16_per_sample", "oar_p_hierarchical",
-                "target"} <= set(checks[cost])
+        assert {"logprob", "oar_g_fused", "oar_p_chunk16", "oar_p_hierarchical", "target"} <= set(checks[cost])
     assert checks["privileged_noise_floor"]["identity_template_equal"]
     assert set(checks["memory_estimate"]["cases"]) >= {"oar_g_noisy_kl", "oar_p_chunk", "acpo_blocks"}
     text = out.with_suffix(".txt").read_text().splitlines()

@@ -16,9 +16,8 @@ from verl_oar.core.answer_span import locate_answer_tokens
 from verl_oar.tools.heatmap import main
 from verl_oar.tools.heatmap_render import html_block, render_png
 from verl_oar.core.gradient import GradientConfig, gradient_importance
-from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
 from verl_oar.core.hf import HFRowsModel, make_hf_logits_fn
-from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans
+from verl_oar.core.perturbation import PerturbationConfig, Sample, batched_perturbation_importance, occlusion_spans
 from verl_oar.testbed.pick_max import oracle_token_masks
 
 PROMPT = "max: 3 7 | 2 5"

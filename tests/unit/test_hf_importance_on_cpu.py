@@ -1,15 +1,16 @@
-"""core.hf.hf_importance, the importance of plain HF sequences (heatmap, testbed, benchmarks), against
-the core functions called directly: a right-padded batch, temperature, and bad arguments."""
+"""core.hf.hf_importance, the importance of plain HF sequences (heatmap, testbed, benchmarks), against OAR-G's core
+function called directly and OAR-P's reference loop: a right-padded batch, temperature, and bad arguments."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _oar_p_reference import naive_perturbation_importance
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verl_oar.core.gradient import GradientConfig, gradient_importance
-from verl_oar.core.hf import HFPrefixModel, hf_importance
-from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans, perturbation_importance
+from verl_oar.core.hf import hf_importance
+from verl_oar.core.perturbation import PerturbationConfig, occlusion_spans
 
 VOCAB, PAD = 64, 0
 
@@ -38,9 +39,10 @@ def batch():
     return ids, attention, reasoning, answer
 
 
-def test_oar_p_is_perturbation_importance_row_by_row(model, batch):
-    """The rows share model calls (core.batched_perturbation): equal to scoring each row alone up to fp32
-    rounding (other call shapes); exactness in float64 is test_batched_perturbation_on_cpu.py's."""
+def test_oar_p_is_the_reference_loop_row_by_row(model, batch):
+    """The rows share model calls (core.perturbation): equal to the naive loop on each row alone (its unpadded
+    tokens, the spans of ``cfg.mode``, the temperature) up to fp32 rounding; exactness in float64 is
+    test_batched_perturbation_on_cpu.py's."""
     ids, attention, reasoning, answer = batch
     cfg = PerturbationConfig(mode="chunk", budget=4)
     got = hf_importance(model, ids, reasoning, answer, cfg, attention_mask=attention, neutral_id=PAD,
@@ -48,9 +50,9 @@ def test_oar_p_is_perturbation_importance_row_by_row(model, batch):
     for row, length in enumerate((20, 14)):
         predict = torch.zeros(length, dtype=torch.bool)
         predict[:-1] = answer[row, 1:length]
-        want, _ = perturbation_importance(
-            HFPrefixModel(model), ids[row, :length], torch.arange(length),
-            occlusion_spans(reasoning[row, :length], "chunk", 4), predict, PAD, cfg, max_tokens=50, temperature=0.7)
+        want = naive_perturbation_importance(lambda x: model(input_ids=x).logits, ids[row, :length],
+                                             occlusion_spans(reasoning[row, :length], "chunk", 4), predict, PAD,
+                                             cfg.outcome, temperature=0.7)
         assert torch.allclose(got[row, :length], want, rtol=1e-3, atol=1e-8), (got[row, :length] - want).abs().max()
         assert (got[row, length:] == 0).all()
     assert (got[reasoning] > 0).all() and (got[~reasoning] == 0).all()

@@ -1,31 +1,31 @@
-"""OAR-P hierarchical mode (``verl_oar.core.hierarchical``): all chunks refined into single tokens is
-exact mode (against the naive loop on a tiny float64 Qwen2 and fresh random inputs); only the top-m
-chunks are refined; the occlusions scored are the stated cost; at most two ``score_spans`` calls;
-R = 0, R < K and m > K."""
+"""OAR-P hierarchical mode (``verl_oar.core.perturbation.hierarchical_importance`` and ``score_samples``): all
+chunks refined into single tokens is exact mode (against the naive loop on a tiny float64 Qwen2 and fresh random
+inputs); only the top-m chunks are refined; the occlusions scored are the stated cost; at most two ``score_spans``
+calls; R = 0, R < K and m > K."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _oar_p_reference import naive_perturbation_importance
 from _tiny_models import tiny_qwen2
 
-from verl_oar.core.hf import HFPrefixModel
-from verl_oar.core.hierarchical import (
+from verl_oar.core.hf import HFRowsModel
+from verl_oar.core.outcome import OUTCOMES
+from verl_oar.core.perturbation import (
     FILLS,
+    PerturbationConfig,
+    Sample,
+    batched_perturbation_importance,
     coarse_spans,
     combine,
     hierarchical_cost,
     hierarchical_importance,
+    occlusion_spans,
     refined_spans,
+    score_samples,
     select_refined,
     span_values,
-)
-from verl_oar.core.outcome import OUTCOMES
-from verl_oar.core.perturbation import (
-    PerturbationConfig,
-    naive_perturbation_importance,
-    occlusion_spans,
-    perturbation_importance,
 )
 
 Tensor = torch.Tensor
@@ -50,10 +50,10 @@ def _sequence(seed: int, length: int, prompt: int = 8, answer: int = 3):
 
 
 class Scorer:
-    """``score_spans`` over ``perturbation_importance`` one sequence at a time; records every call."""
+    """``score_spans`` over ``batched_perturbation_importance``, all sequences in one batch; records every call."""
 
     def __init__(self, model, sequences, outcome: str, max_tokens: int = 400):
-        self.prefix_model = HFPrefixModel(model)
+        self.rows_model = HFRowsModel(model)
         self.sequences = sequences
         self.cfg = PerturbationConfig(outcome=outcome)
         self.max_tokens = max_tokens
@@ -61,12 +61,11 @@ class Scorer:
 
     def __call__(self, spans):
         self.calls.append([int(s.max()) + 1 if s.numel() else 0 for s in spans])
-        out = []
-        for (ids, _, predict), span in zip(self.sequences, spans):
-            importance, cost = perturbation_importance(self.prefix_model, ids, torch.arange(len(ids)), span, predict,
-                                                       NEUTRAL, self.cfg, self.max_tokens)
-            out.append(importance)
-        return out
+        samples = [Sample(ids, torch.arange(len(ids)), span, predict)
+                   for (ids, _, predict), span in zip(self.sequences, spans, strict=True)]
+        importance, _, _ = batched_perturbation_importance(self.rows_model, samples, NEUTRAL, self.cfg,
+                                                           self.max_tokens)
+        return importance
 
 
 class Additive:
@@ -103,6 +102,26 @@ def test_all_chunks_refined_into_single_tokens_is_exact_mode(model, outcome):
             torch.testing.assert_close(imp.double(), want.double(), rtol=0, atol=1e-10)
             assert torch.all(imp[~reasoning] == 0)
         assert stats.occlusions == [k + r for k, r in zip(stats.coarse, stats.reasoning)]
+
+
+@pytest.mark.parametrize("outcome", ["mean", "joint"])
+def test_score_samples_runs_both_rounds_on_the_batch_and_all_refined_is_exact(model, outcome):
+    """The production entry (the engines, ``hf_importance``): hierarchical mode is two batched passes over all
+    samples; with m = K and u = 1 every token is its own occlusion (exact mode, against the naive loop), and each
+    sample's cost is both rounds' copies."""
+    sequences = [_sequence(seed, length) for seed, length in ((30, 40), (31, 29))]
+    cfg = PerturbationConfig(outcome=outcome, mode="hierarchical", budget=4, refine_top=4, refine_unit=1)
+    samples = [Sample(ids, torch.arange(len(ids)), torch.full_like(ids, -1), predict, 0.8, prompt_len=8)
+               for ids, _, predict in sequences]
+    got, costs, total = score_samples(HFRowsModel(model), samples, [r for _, r, _ in sequences], NEUTRAL, cfg, 400)
+    for (ids, reasoning, predict), imp, cost in zip(sequences, got, costs, strict=True):
+        want = naive_perturbation_importance(lambda x: model(input_ids=x).logits, ids,
+                                             occlusion_spans(reasoning, "exact", 1), predict, NEUTRAL, outcome, 0.8)
+        assert float(want.abs().max()) > 1e-8
+        torch.testing.assert_close(imp.double(), want.double(), rtol=0, atol=1e-10)
+        r = int(reasoning.sum())
+        assert cost.copies == min(4, r) + r  # the coarse chunks, then every token of every (multi-token) chunk
+    assert total.copies == sum(c.copies for c in costs)
 
 
 def test_top_m_chunks_are_refined_the_rest_share_their_chunk(model):

@@ -4,7 +4,7 @@ worker's decision on given numbers, and the driver's log block (``integration.me
 Exact checks: the parameter count, the KV cache and logits a Qwen2 returns, the bytes autograd keeps for OAR-G's
 backward (fp32 and bf16), and with gradient checkpointing the per-layer slope of OAR-G's peak (each layer's input).
 Whole passes: OAR-G (``core.hf.OutcomeHead`` + ``core.gradient``, with and without checkpointing), OAR-P
-(``core.batched_perturbation`` over ``core.hf.HFRowsModel``) and ACPO's top-1 blocks (``engines.fsdp.modal``) are
+(``core.perturbation`` over ``core.hf.HFRowsModel``) and ACPO's top-1 blocks (``engines.fsdp.modal``) are
 run under a ``TorchDispatchMode`` that tracks every storage an op creates while any tensor on it lives (the CPU has
 no ``max_memory_allocated``): their peak above the model's weights is compared with the estimate. What only a GPU
 can check (CUDA kernels' workspaces, the caching allocator, flash-attention) is tests/gpu/test_memory_estimate.py.
@@ -234,11 +234,10 @@ def test_gradient_checkpointing_estimate_at_the_recipes_budgets():
 
 
 def _oar_p_measured(dtype, mode: str, response: int, samples: int = 3, answer: int = 4, budget: int = 16):
-    """Peak bytes of ``core.batched_perturbation.score_samples`` on full-length samples laid out as the estimate
+    """Peak bytes of ``core.perturbation.score_samples`` on full-length samples laid out as the estimate
     assumes, the estimate, the tokens fed per sample and the estimate's count of them."""
-    from verl_oar.core.batched_perturbation import Sample, score_samples
     from verl_oar.core.hf import HFRowsModel
-    from verl_oar.core.perturbation import PerturbationConfig
+    from verl_oar.core.perturbation import PerturbationConfig, Sample, score_samples
 
     model, config = _qwen2(dtype, intermediate_size=256, vocab_size=128)
     prompt, length = 16, 16 + response

@@ -1,4 +1,4 @@
-"""OAR-P's memory is one model call's, whatever the number of occluded copies (``core.batched_perturbation``).
+"""OAR-P's memory is one model call's, whatever the number of occluded copies (``core.perturbation``).
 
 A real ``core.hf.HFRowsModel`` over the tiny Qwen2 (vocabulary 1009, no other dimension of that size) scores a
 batch of ~250 exact-mode copies in dozens of calls. Two checks:
@@ -17,13 +17,13 @@ import weakref
 
 import pytest
 import torch
+from _oar_p_reference import naive_perturbation_importance
 from _tiny_models import tiny_qwen2
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from verl_oar.core.batched_perturbation import Sample, batched_perturbation_importance
 from verl_oar.core.hf import HFRowsModel
-from verl_oar.core.perturbation import PerturbationConfig, naive_perturbation_importance, occlusion_spans
+from verl_oar.core.perturbation import PerturbationConfig, Sample, batched_perturbation_importance, occlusion_spans
 
 VOCAB = 1009  # prime, above every sequence length, hidden and head size here: last dim == VOCAB means logits
 NEUTRAL = 0

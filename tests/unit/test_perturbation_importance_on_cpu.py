@@ -1,22 +1,18 @@
-"""OAR-P (``verl_oar.core.perturbation``): prefix sharing, batching and budgeted spans against
-the naive loop (one whole-sequence forward per occluded copy), on a tiny float64 Qwen2 and fresh
-random inputs."""
+"""OAR-P (``verl_oar.core.perturbation``) on one sequence: prefix sharing, the call budget and budgeted spans
+against the naive loop (one whole-sequence forward per occluded copy, ``tests/_oar_p_reference.py``), on a tiny
+float64 Qwen2 and fresh random inputs. Batches of several samples: test_batched_perturbation_on_cpu.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _oar_p_reference import naive_perturbation_importance
 from _tiny_models import tiny_qwen2
 
 from verl_oar.core.config import OARConfig
-from verl_oar.core.hf import HFPrefixModel, can_share_prefix
-from verl_oar.core.perturbation import (
-    PerturbationConfig,
-    naive_perturbation_importance,
-    occlusion_spans,
-    perturbation_importance,
-)
+from verl_oar.core.hf import HFRowsModel, can_share_prefix
 from verl_oar.core.outcome import OUTCOMES
+from verl_oar.core.perturbation import PerturbationConfig, Sample, batched_perturbation_importance, occlusion_spans
 
 VOCAB = 97
 NEUTRAL = 0
@@ -44,10 +40,12 @@ def _naive(model, ids, span, predict, outcome, temperature=1.0):
 
 
 def _ours(model, ids, span, predict, outcome, max_tokens, share_prefix=True, temperature=1.0, positions=None):
+    """The production path on a batch of this one sequence: (L,) importance and the batch's cost."""
     cfg = PerturbationConfig(outcome=outcome, share_prefix=share_prefix)
     positions = torch.arange(len(ids)) if positions is None else positions
-    return perturbation_importance(HFPrefixModel(model), ids, positions, span, predict, NEUTRAL, cfg, max_tokens,
-                                   temperature)
+    sample = Sample(ids, positions, span, predict, temperature)
+    (importance,), _, cost = batched_perturbation_importance(HFRowsModel(model), [sample], NEUTRAL, cfg, max_tokens)
+    return importance, cost
 
 
 @pytest.mark.parametrize("outcome", OUTCOMES)
@@ -72,10 +70,13 @@ def test_prefix_sharing_feeds_fewer_tokens_and_respects_the_token_budget(model):
     shared, cost = _ours(model, ids, span, predict, "mean", max_tokens=4 * end)
     full, full_cost = _ours(model, ids, span, predict, "mean", max_tokens=4 * end, share_prefix=False)
     torch.testing.assert_close(shared, full, rtol=1e-6, atol=1e-12)
+    r = int(reasoning.sum())
     assert cost.peak_call_tokens <= 4 * end and full_cost.peak_call_tokens <= 4 * end
-    assert cost.forwards >= 1 + -(-int(reasoning.sum()) // 4) and cost.copies == int(reasoning.sum())
+    assert cost.copies == full_cost.copies == r
+    assert full_cost.forwards == 1 + -(-r // 4)  # whole copies of `end` tokens: four to a call
+    assert cost.forwards < full_cost.forwards  # copies fed from their span on: more of them to a call
     assert cost.tokens < 0.7 * full_cost.tokens
-    assert full_cost.tokens == end * (1 + int(reasoning.sum()))  # nothing after the answer is fed
+    assert full_cost.tokens == end * (1 + r)  # nothing after the answer is fed
 
 
 def test_budgeted_chunks_with_k_at_least_r_equal_exact_mode(model):

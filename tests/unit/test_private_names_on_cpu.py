@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "verl_oar"
 ROUTER = "integration/compat.py"
 
 OWN = {
-    ("core/batched_perturbation.py", "_run"): "its own method",
+    ("core/perturbation/importance.py", "_run"): "its own method",
     ("cpu/hf_rollout.py", "_has_server"): "HFServerAdapter's own flag (verl's vllm/sglang adapters have one too)",
     ("cpu/hf_rollout.py", "_lock"): "HFServer's own lock",
     ("cpu/hf_rollout.py", "_pending"): "HFServer's own queue",

@@ -1,14 +1,10 @@
 """A transformers causal LM as OAR-G's ``logits_fn`` (:func:`make_hf_logits_fn`), as OAR-P's
-:class:`~verl_oar.core.batched_perturbation.RowsModel` (:class:`HFRowsModel`: rows of several samples per
-call, what the engines and :func:`hf_importance` run) and one-sequence
-:class:`~verl_oar.core.perturbation.PrefixModel` (:class:`HFPrefixModel`: the earlier per-sample path, kept
-as a baseline for benchmarks), as OAR-G's outcome head
+:class:`~verl_oar.core.perturbation.RowsModel` (:class:`HFRowsModel`: rows of several samples per call, each
+continuing its own KV cache, what the engines and :func:`hf_importance` run), as OAR-G's outcome head
 (:class:`OutcomeHead`: the outcome logits computed alike in every pass), and the importance of
 plain HF sequences outside training (:func:`hf_importance`: the heatmap, the testbed, benchmarks).
 
-The clean pass returns its KV cache as per-layer (key, value) tensors of one row; a later call
-slices the first ``past_len`` positions, repeats them for its ``m`` rows, and feeds only the new
-tokens. Works on a plain model or an FSDP-wrapped one (keyword arguments go straight through).
+Works on a plain model or an FSDP-wrapped one (keyword arguments go straight through).
 
 Prefix sharing needs every layer to attend to the whole prefix: a sliding-window layer drops
 old positions from its cache, so :func:`can_share_prefix` says no for such models and the caller
@@ -25,12 +21,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from verl_oar.core.batched_perturbation import Sample, score_samples
 from verl_oar.core.gradient import GradientConfig, gradient_importance
 from verl_oar.core.outcome import padded_predicting_positions
-from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, Sample, score_samples
 
-__all__ = ["HFPrefixModel", "HFRowsModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix",
+__all__ = ["HFRowsModel", "OutcomeHead", "accepts_logits_to_keep", "can_share_prefix",
            "checkpointed_layers", "hf_importance", "make_hf_logits_fn", "recomputed_in_backward"]
 
 def _unwrapped(module):
@@ -99,7 +94,7 @@ def hf_importance(
         reasoning: (B, L) bool, the tokens scored (and, for OAR-G, noised).
         answer: (B, L) bool, the answer tokens (as input tokens).
         cfg: :class:`GradientConfig` (OAR-G: one batched gradient pass) or :class:`PerturbationConfig`
-            (OAR-P: ``core.batched_perturbation``, copies of all rows sharing calls; ``cfg.mode`` /
+            (OAR-P: ``core.perturbation.score_samples``, copies of all rows sharing calls; ``cfg.mode`` /
             ``cfg.budget`` build the occlusion spans, ``hierarchical`` in two rounds).
         attention_mask: (B, L) 0/1; OAR-G passes it to the model as is (None included), OAR-P scores
             each row's first ``attention_mask[b].sum()`` tokens (None: all L).
@@ -108,7 +103,7 @@ def hf_importance(
         clean_logits: OAR-G ``noisy_kl``: (B, L, V) logits of the clean pass, reused (already divided
             by ``temperature``); None runs that pass.
         neutral_id: OAR-P's occlusion token id (required for OAR-P).
-        max_tokens: OAR-P's padded token budget per model call (``batched_perturbation.call_tokens``).
+        max_tokens: OAR-P's padded token budget per model call (``core.perturbation.call_tokens``).
         line_end: (B, L) bool, tokens holding a line break (OAR-P ``line`` mode only).
         cost: OAR-P: the batch's model calls, copies and tokens fed are added to it.
 
@@ -146,39 +141,6 @@ def hf_importance(
     for b, (length, row) in enumerate(zip(lengths, importance, strict=True)):
         out[b, :length] = row
     return out
-
-
-class HFPrefixModel:
-    """Call a transformers causal LM on rows that share a cached prefix (see ``PrefixModel``)."""
-
-    def __init__(self, module, context: Callable[[], AbstractContextManager] = nullcontext):
-        """``module``: the causal LM (``model(input_ids=..., past_key_values=...)`` returns ``.logits``
-        and ``.past_key_values``); ``context``: entered around every call (e.g. autocast)."""
-        self.module = module
-        self.context = context
-        self.keep_supported = accepts_logits_to_keep(module)
-
-    def __call__(
-        self, ids: Tensor, positions: Tensor, keep: Tensor, past: Any = None, past_len: int = 0, cache: bool = False
-    ) -> tuple[Tensor, Any]:
-        from transformers import DynamicCache
-
-        rows = ids.shape[0]
-        kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": positions, "use_cache": cache}
-        if past is not None and past_len > 0:
-            prefix = [(k[:, :, :past_len].expand(rows, -1, -1, -1), v[:, :, :past_len].expand(rows, -1, -1, -1))
-                      for k, v in past]
-            kwargs["past_key_values"] = DynamicCache(ddp_cache_data=prefix)
-            kwargs["use_cache"] = True
-        if self.keep_supported:
-            kwargs["logits_to_keep"] = keep
-        with self.context():
-            out = self.module(**kwargs)
-        logits = out.logits if self.keep_supported else out.logits[:, keep]
-        new_cache = None
-        if cache:
-            new_cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return logits, new_cache
 
 
 def _final_hidden(output) -> Tensor:
@@ -338,7 +300,7 @@ class OutcomeHead:
 
 
 class HFRowsModel:
-    """A transformers causal LM as OAR-P's :class:`~verl_oar.core.batched_perturbation.RowsModel`.
+    """A transformers causal LM as OAR-P's :class:`~verl_oar.core.perturbation.RowsModel`.
 
     One call pads its rows to the right edge twice: each row's cached prefix is right-aligned in ``P`` cache
     slots (P = the longest prefix) and its new tokens in ``N`` columns, with a (rows, P + N) attention mask

@@ -48,7 +48,7 @@ Per estimator, the pass and its peak (``estimate``):
   (``n a V OUTCOME_BYTES``: 12 bytes per logit for noisy KL, 17 for loglik, measured) and the backward's transient
   (``2 T I b``, rough). ``objective=loglik`` fused computes verl's full logits in that forward with grad: activations + logits.
   The whole pass is within 15% above a measured one, with and without checkpointing (CPU test).
-- ``oar_p``: no grad; the model calls ``core.batched_perturbation.plan_calls`` makes for a micro-batch of ``n``
+- ``oar_p``: no grad; the model calls ``core.perturbation.plan_calls`` makes for a micro-batch of ``n``
   full-length samples (prompts, clean rows, occluded copies; ``perturb_mode`` and ``K`` decide the copies; the
   refined chunks of ``hierarchical`` are assumed evenly spread, ``line`` is counted as ``chunk``). Held while the
   copies run: every sample's clean cache. A call of ``rows`` rows, longest new part ``N`` and longest prefix
@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_oar.core.batched_perturbation import Row, plan_calls
+from verl_oar.core.perturbation import Row, plan_calls
 
 __all__ = ["ENTROPY_COPIES", "ESTIMATORS", "MARKER_TOKENS", "OAR_P_MEASURED_COST", "OUTCOME_BYTES", "RESERVE_BYTES",
            "RESERVE_FRACTION", "EstimatorSettings", "FitDecision", "MemoryEstimate", "ModelShape", "RunShape", "Term", "decide_fit",

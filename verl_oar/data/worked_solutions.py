@@ -53,7 +53,7 @@ class WorkedSolution:
 def _problem(rng: random.Random, steps: int) -> tuple[list[int], list[str]]:
     """The numbers and operations of a problem of ``steps`` operations whose running total stays in 0..30."""
     while True:
-        numbers, ops, total = [rng.randint(2, 9)], [], 0
+        numbers, ops = [rng.randint(2, 9)], []
         total = numbers[0]
         for _ in range(steps):
             op = rng.choice("+-")
@@ -86,7 +86,7 @@ def worked_solutions(n: int, seed: int = 0, steps: tuple[int, ...] = (2, 3, 4),
         question.append(f"How many {things} does {name} have now?")
 
         parts, results, total = [f"{name} starts with {numbers[0]} {things}."], [], numbers[0]
-        for j, (op, x) in enumerate(zip(ops, numbers[1:])):
+        for op, x in zip(ops, numbers[1:]):
             parts.extend(rng.choice(FILLER) for _ in range(rng.randint(*filler)))
             new = total + x if op == "+" else total - x
             verb = f"gets {x} more {things}" if op == "+" else f"gives away {x} {things}"

@@ -1,11 +1,11 @@
-"""OAR-P on one engine micro-batch, engine-agnostic: the samples handed to ``core.batched_perturbation``.
+"""OAR-P on one engine micro-batch, engine-agnostic: the samples handed to ``core.perturbation.score_samples``.
 
 Each sample is scored unpadded as its own sequence, so its importance does not depend on the rest of the batch
 or on the engine's packing; its occluded copies share model calls with other samples' copies (the model is a
 ``RowsModel`` the engine path builds: ``core.hf.HFRowsModel`` over the FSDP module, or
 ``engines.megatron.perturbation.MegatronRowsModel``). Samples of the micro-batch with the same prompt share the
-prompt's pass. ``perturb_mode=hierarchical`` runs the batch twice (``core.hierarchical``): coarse chunks, then
-the top ones refined.
+prompt's pass. ``perturb_mode=hierarchical`` runs the batch twice (``score_samples``): coarse chunks, then the top
+ones refined.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from verl_oar.core.batched_perturbation import Sample, score_samples
-from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost
+from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, Sample, score_samples
 from verl_oar.engines.inputs import LINE_END, PREDICT, REASONING, nested, rollout_temperature
 
 

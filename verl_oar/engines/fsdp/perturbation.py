@@ -1,6 +1,6 @@
 """OAR-P on one micro-batch of verl's FSDP / FSDP2 engine.
 
-Each sample is scored as its own unpadded sequence (``verl_oar.core.batched_perturbation``): each
+Each sample is scored as its own unpadded sequence (``verl_oar.core.perturbation``): each
 distinct prompt once, each sample's clean pass continuing it and keeping its KV cache, then occluded
 copies continuing that cache from their span on, copies of different samples in the same model
 calls (``core.hf.HFRowsModel``: per-row caches under a padding mask). A sample's importance does

@@ -1,6 +1,6 @@
 """OAR-P on one micro-batch of verl's Megatron engine: copies of all samples batched, without prefix sharing.
 
-The same importance as ``engines.fsdp.perturbation`` (FSDP), through ``core.batched_perturbation``: a clean
+The same importance as ``engines.fsdp.perturbation`` (FSDP), through ``core.perturbation.score_samples``: a clean
 row per sample and one row per occluded copy, rows of different samples and lengths packed into the same
 calls in verl's own layout (THD: no padding at all; BSHD padded), every row stopping at its last predicting
 position, logits kept only there. What Megatron does not allow: reusing a KV cache. Its GPTModel has no
@@ -27,13 +27,12 @@ from torch import Tensor
 from verl_oar.core.config import OARConfig
 from verl_oar.engines.inputs import nested
 from verl_oar.engines.megatron.forward import MegatronLogits
-from verl_oar.core.batched_perturbation import Row
-from verl_oar.core.perturbation import PerturbationCost
+from verl_oar.core.perturbation import PerturbationCost, Row
 from verl_oar.engines.perturbation_batch import score_micro_batch
 
 
 class MegatronRowsModel:
-    """verl's Megatron model as OAR-P's ``RowsModel`` (``core.batched_perturbation``): rows of any lengths,
+    """verl's Megatron model as OAR-P's ``RowsModel`` (``core.perturbation``): rows of any lengths,
     each from position 0, packed into one call in verl's own layout (THD, or BSHD padded); no cache."""
 
     shares_cache = False

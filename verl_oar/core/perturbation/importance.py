@@ -1,27 +1,30 @@
-"""OAR-P for a batch of sequences: occluded copies of different samples share model calls.
+"""OAR-P: token importance by occlusion, for a batch of sequences whose occluded copies share model calls.
 
-The importance is exactly :func:`verl_oar.core.perturbation.perturbation_importance`'s, sample by sample
-(``I_s = KL(P_final || P_final^(s))``, or ``phi - phi^(s)`` for AS-JOINT); what changes is how the passes
-are laid out. A pass is a list of :class:`Row` (new tokens that continue a row's own cached prefix) and a
-:class:`RowsModel` runs rows of different samples, prefix lengths and lengths in one call. Three stages:
+For a sequence x (prompt + response, positions 0..L-1) and an occlusion span s (a set of reasoning positions,
+``spans.py``), the copy x^(s) replaces every token of s by a neutral id. Every token of s gets how much the
+outcome moved (``verl_oar.core.outcome``):
+
+    I_s = KL(P_final || P_final^(s))   (AS-SINGLE, AS-MEAN)      I_s = phi - phi^(s)   (AS-JOINT)
+
+:func:`score_samples` is the entry point (the engines, ``core.hf.hf_importance``): it builds each sample's spans
+for ``cfg.mode`` and scores them with :func:`batched_perturbation_importance`, once, or for ``hierarchical`` twice
+(:func:`hierarchical_importance`: the coarse chunks, then the most important ones refined). Every sample is scored
+as its own sequence, so its importance does not depend on the rest of the batch (up to float rounding). What is
+batched is the passes (``calls.py``: each a list of rows, packed into calls by ``plan_calls``), in three stages:
 
 1. **prompts** (with prefix sharing): every distinct prompt once, keeping its KV cache: the ``n``
    responses of a prompt share it;
 2. **clean**: each sample's tokens after its prompt up to ``end`` (the last position that predicts an
-   answer token, + 1), continuing the prompt's cache; keeps the sample's clean cache and its clean outcome;
+   answer token, + 1: nothing after it can move the outcome), continuing the prompt's cache; keeps the sample's
+   clean cache and its clean outcome;
 3. **copies**: for each span ``s`` starting at ``p_s``, the occluded tokens ``x^(s)[p_s:end]`` continuing
    the sample's clean cache of ``[0, p_s)``: a copy feeds only the tokens from its own span on.
 
-Rows are ordered by length and packed into calls while ``rows x longest new part <= max_tokens`` (tokens through
-the model, padded: the caller passes verl's log-prob token budget), ``rows x longest prefix <= CACHE_FACTOR x
-max_tokens`` (cached tokens gathered for the call) and the padding stays within ``WASTE_FRACTION`` of the rows'
-own work (:func:`plan_calls`); a row alone over the budget is called alone. Without prefix sharing (``share_prefix=False``: a model
-whose cache cannot be reused, or Megatron) every row starts at position 0 and the three stages become
-one clean row and one full copy per span, still batched across samples.
-
-Only the positions that predict an answer token are read, so each row asks for its last ``keep`` logits. A
-span that starts after the first predicting position starts its copy there instead (clean tokens recomputed,
-rare: reasoning precedes the answer). No gradient is computed; the model is not modified.
+Without prefix sharing (``share_prefix=False``: a model whose cache cannot be reused, or Megatron) every row starts
+at position 0 and the three stages become one clean row and one full copy per span, still batched across samples.
+Only the positions that predict an answer token are read, so each row asks for its last ``keep`` logits. A span
+that starts after the first predicting position starts its copy there instead (clean tokens recomputed, rare:
+reasoning precedes the answer). No gradient is computed; the model is not modified.
 
 Memory is one call's, not one per copy: each call's logits are reduced before the next call starts (a clean row
 to its sample's outcome statistic, a copy to its one divergence), so the live logits are at most one call's
@@ -29,22 +32,38 @@ to its sample's outcome statistic, a copy to its one divergence), so the live lo
 occluded ids and cache prefix are built only for its call, and a sample's clean statistic and cache are dropped
 after its last copy. Exact mode on a 4k-token response (~2,500 copies) thus needs no more logits memory than
 chunk mode.
+
+The model is a :class:`~verl_oar.core.perturbation.calls.RowsModel`, so this file has no transformers or verl import.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
 
-from verl_oar.core.hierarchical import hierarchical_importance
 from verl_oar.core.outcome import outcome_divergence, outcome_statistic
-from verl_oar.core.perturbation import PerturbationConfig, PerturbationCost, occlusion_spans
+from verl_oar.core.perturbation.calls import Row, RowsModel, call_tokens, plan_calls
+from verl_oar.core.perturbation.config import PerturbationConfig, PerturbationCost
+from verl_oar.core.perturbation.spans import (
+    FILLS,
+    coarse_spans,
+    combine,
+    occlusion_spans,
+    refined_spans,
+    select_refined,
+    span_values,
+)
 
-__all__ = ["CACHE_FACTOR", "WASTE_FRACTION", "Row", "RowsModel", "Sample", "batched_perturbation_importance", "cached_tokens",
-           "call_tokens", "plan_calls", "score_samples"]
+__all__ = ["HierarchicalStats", "Sample", "ScoreSpans", "batched_perturbation_importance", "hierarchical_importance",
+           "score_samples"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# one round: every sample's spans, copies of all samples sharing calls
+# ---------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -56,109 +75,13 @@ class Sample:
     positions: Tensor
     """(L,) long, their position ids"""
     span: Tensor
-    """(L,) long, the occlusion of each token (``occlusion_spans``), -1 if none"""
+    """(L,) long, the occlusion of each token (``spans.occlusion_spans``; :func:`score_samples` sets it), -1 if none"""
     predict: Tensor
     """(L,) bool, positions whose logits predict an answer token"""
     temperature: float = 1.0
     """the rollout temperature; logits are divided by it"""
     prompt_len: int = 0
     """leading tokens that samples with the same tokens there share (0: none shared)"""
-
-
-@dataclass
-class Row:
-    """One row of a model call: ``ids`` continue a cached prefix of ``past_len`` tokens (``past``)."""
-
-    ids: Tensor
-    """(n,) long, the new tokens"""
-    positions: Tensor
-    """(n,) long, their position ids"""
-    past: Any = None
-    """the model's cache of this row's first ``past_len`` tokens (from an earlier row's ``cache=True``), or None"""
-    past_len: int = 0
-    keep: int = 0
-    """how many of the last positions' logits to return (0: none)"""
-    cache: bool = False
-    """return this row's cache of all its ``past_len + n`` tokens"""
-
-
-class RowsModel(Protocol):
-    """A causal LM that runs rows with prefixes of their own in one call."""
-
-    shares_cache: bool
-    """whether a row's cache can be continued (False: every row must start at position 0)"""
-
-    def __call__(self, rows: list[Row]) -> tuple[list[Tensor | None], list[Any]]:
-        """Per row: (keep, V) logits of its last ``keep`` positions (None if ``keep`` is 0) and its cache (None
-        unless ``cache``). The lists are the caller's: the model keeps no reference to the logits, which the
-        caller frees (it empties the list) before its next call."""
-        ...
-
-    def prefix(self, cache: Any, length: int) -> Any:
-        """The cache of the first ``length`` tokens of a row's cache."""
-        ...
-
-
-CACHE_FACTOR = 4
-"""Cached prefix tokens a call may gather, per token of its budget. A cached token holds 2 x layers x kv_heads x
-head_dim values (28 KB in bf16 for Qwen2.5-Math-1.5B, 57 KB for 7B), a token of verl's log-prob pass at least its
-float32 logits (600 KB at a 152k vocabulary): 4x the budget in cached tokens stays under a fifth of that pass's
-logits memory."""
-
-
-def call_tokens(rows: list[Row]) -> int:
-    """Tokens a call feeds through the model, padded: rows x longest new part."""
-    return len(rows) * max(r.ids.numel() for r in rows)
-
-
-def cached_tokens(rows: list[Row]) -> int:
-    """Cached tokens a call gathers, padded: rows x longest prefix."""
-    return len(rows) * max(r.past_len for r in rows)
-
-
-WASTE_FRACTION = 0.25
-"""The padding a call may add: its padded new tokens (rows x longest new part, what the linear layers compute)
-and its padded attention area (rows x longest new part x (longest prefix + longest new part)) each stay within
-this fraction above the rows' own."""
-
-
-class _Call:
-    """A call being filled: its rows and the running sums :func:`plan_calls` checks."""
-
-    def __init__(self, i: int, row: Row):
-        n = row.ids.numel()
-        self.rows, self.new, self.past = [i], n, row.past_len
-        self.new_sum, self.area_sum = n, n * (row.past_len + n)
-
-    def admits(self, row: Row, max_tokens: int) -> bool:
-        n = row.ids.numel()
-        count, new, past = len(self.rows) + 1, max(self.new, n), max(self.past, row.past_len)
-        return (count * new <= max_tokens and count * past <= CACHE_FACTOR * max_tokens
-                and count * new <= (1 + WASTE_FRACTION) * (self.new_sum + n)
-                and count * new * (past + new) <= (1 + WASTE_FRACTION) * (self.area_sum + n * (row.past_len + n)))
-
-    def add(self, i: int, row: Row) -> None:
-        n = row.ids.numel()
-        self.rows.append(i)
-        self.new, self.past = max(self.new, n), max(self.past, row.past_len)
-        self.new_sum += n
-        self.area_sum += n * (row.past_len + n)
-
-
-def plan_calls(rows: list[Row], max_tokens: int) -> list[list[int]]:
-    """Indices of ``rows`` per model call. Rows are ordered by total length (prefix + new), then new part,
-    longest first, so rows of one sample and of samples of similar length are neighbours; a call takes the
-    next row while it stays within ``max_tokens`` fed, ``CACHE_FACTOR x max_tokens`` cached (padded, see
-    :func:`call_tokens`, :func:`cached_tokens`) and ``WASTE_FRACTION`` of padding; a single row always fits."""
-    order = sorted(range(len(rows)), key=lambda i: (-(rows[i].past_len + rows[i].ids.numel()),
-                                                    -rows[i].ids.numel(), i))
-    calls: list[_Call] = []
-    for i in order:
-        if calls and calls[-1].admits(rows[i], max_tokens):
-            calls[-1].add(i, rows[i])
-        else:
-            calls.append(_Call(i, rows[i]))
-    return [call.rows for call in calls]
 
 
 @dataclass
@@ -357,6 +280,97 @@ def batched_perturbation_importance(
     return out, sample_costs, cost
 
 
+# ---------------------------------------------------------------------------------------------------
+# hierarchical mode: two rounds of spans over a scorer (spans.py, module docstring)
+# ---------------------------------------------------------------------------------------------------
+
+ScoreSpans = Callable[[list[Tensor]], list[Tensor]]
+"""one (L_i,) long span-id tensor per sequence (-1 = not occluded, ids 0..S_i-1 in position order) -> one (L_i,)
+float32 importance per sequence, every token of a span carrying the span's (0 where the span id is -1)"""
+
+
+@dataclass
+class HierarchicalStats:
+    """What one :func:`hierarchical_importance` call did, per sequence (lists in input order)."""
+
+    reasoning: list[int] = field(default_factory=list)
+    """R, reasoning tokens"""
+    coarse: list[int] = field(default_factory=list)
+    """K' = min(K, R), coarse chunks scored"""
+    refined_chunks: list[int] = field(default_factory=list)
+    """m' = min(m, K'), chunks selected for refinement (those with n <= u included)"""
+    refined_units: list[int] = field(default_factory=list)
+    """units scored in the refined round"""
+    calls: int = 0
+    """``score_spans`` calls (0, 1 or 2)"""
+
+    @property
+    def occlusions(self) -> list[int]:
+        """occluded copies per sequence: coarse chunks + refined units (the stated cost)"""
+        return [c + u for c, u in zip(self.coarse, self.refined_units)]
+
+
+def hierarchical_importance(
+    score_spans: ScoreSpans, reasoning: Sequence[Tensor], cfg: PerturbationConfig, *, fill: str = "share"
+) -> tuple[list[Tensor], HierarchicalStats]:
+    """OAR-P importance in ``hierarchical`` mode for a batch of sequences (``spans.py``'s module docstring).
+
+    Args:
+        score_spans: the occlusion scorer (:data:`ScoreSpans`; :func:`score_samples` passes one
+            :func:`batched_perturbation_importance` per call); called at most twice, each time for all sequences:
+            the coarse round, then the refined round unless no sequence has a chunk to split.
+        reasoning: one (L_i,) bool per sequence, its reasoning tokens.
+        cfg: ``budget`` (K), ``refine_top`` (m), ``refine_unit`` (u); ``outcome`` etc. are the scorer's.
+        fill: how unrefined chunks' tokens are scored (``spans.FILLS``; ``share``: ``I_c / n``).
+
+    Returns:
+        one (L_i,) float32 importance per sequence (0 off reasoning), and what it cost.
+    """
+    if fill not in FILLS:
+        raise ValueError(f"fill={fill!r} is invalid: must be one of {FILLS}")
+    stats = HierarchicalStats()
+    coarse = [coarse_spans(r.to(torch.bool), cfg.budget) for r in reasoning]
+    for r, c in zip(reasoning, coarse):
+        stats.reasoning.append(int(r.to(torch.bool).sum()))
+        stats.coarse.append(int(c.max()) + 1 if c.numel() else 0)
+    if not any(stats.coarse):
+        stats.refined_chunks = [0] * len(coarse)
+        stats.refined_units = [0] * len(coarse)
+        return [torch.zeros(c.shape, dtype=torch.float32, device=c.device) for c in coarse], stats
+
+    coarse_importance = _checked(score_spans(coarse), coarse)
+    stats.calls += 1
+    chosen, refined = [], []
+    for c, imp in zip(coarse, coarse_importance):
+        value, _ = span_values(imp, c)
+        pick = select_refined(value, cfg.refine_top)
+        units, count = refined_spans(c, pick, cfg.refine_unit)
+        chosen.append(pick)
+        refined.append(units)
+        stats.refined_chunks.append(int(pick.sum()))
+        stats.refined_units.append(count)
+    if any(stats.refined_units):
+        refined_importance = _checked(score_spans(refined), refined)
+        stats.calls += 1
+    else:
+        refined_importance = [torch.zeros(c.shape, dtype=torch.float32, device=c.device) for c in coarse]
+    out = [combine(ci, c, pick, ri, units, fill)
+           for ci, c, pick, ri, units in zip(coarse_importance, coarse, chosen, refined_importance, refined)]
+    return out, stats
+
+
+def _checked(result: Sequence[Tensor], spans: Sequence[Tensor]) -> list[Tensor]:
+    result = list(result)
+    if len(result) != len(spans) or any(r.shape != s.shape for r, s in zip(result, spans)):
+        raise ValueError("score_spans must return one importance tensor per sequence, shaped like its span tensor")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# the entry point
+# ---------------------------------------------------------------------------------------------------
+
+
 def score_samples(
     model: RowsModel,
     samples: list[Sample],
@@ -366,8 +380,9 @@ def score_samples(
     max_tokens: int,
     line_end: list[Tensor | None] | None = None,
 ) -> tuple[list[Tensor], list[PerturbationCost], PerturbationCost]:
-    """OAR-P importance of ``samples`` in ``cfg.mode``: the spans of ``occlusion_spans``, or both rounds of
-    ``hierarchical`` (``core.hierarchical``), each round one :func:`batched_perturbation_importance`.
+    """OAR-P importance of ``samples`` in ``cfg.mode``: one :func:`batched_perturbation_importance` over the spans
+    of ``spans.occlusion_spans`` (``exact``, ``chunk``, ``line``), or two for ``hierarchical``
+    (:func:`hierarchical_importance`: the coarse chunks, then the refined units).
 
     Args:
         reasoning: per sample (L,) bool, the tokens scored; ``samples``' ``span`` fields are overwritten.
