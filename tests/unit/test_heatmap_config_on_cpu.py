@@ -120,7 +120,8 @@ def test_recompute_uses_the_runs_settings_and_prints_their_sources(model_dir, tm
     from verl_oar.core.hf import can_share_prefix
     from verl_oar.core.perturbation import PerturbationConfig
     from verl_oar.core.reshape import ReshapeConfig, importance_to_weights
-    from verl_oar.tools.heatmap import make_sample, oar_p_importance
+    from verl_oar.tools.heatmap import make_sample
+    from verl_oar.tools.heatmap.scoring import oar_p_importance
 
     overrides = _write(tmp_path / "overrides.txt", "algorithm.adv_estimator=oar_p\n+algorithm.oar.perturb_mode=chunk\n"
                        "+algorithm.oar.perturb_budget=3\n+algorithm.oar.tau=0.3\n+algorithm.oar.beta=0.5\n"

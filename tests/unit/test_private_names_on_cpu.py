@@ -37,7 +37,6 @@ OWN = {
     ("testbed/variants/fill32/reward.py", "_normalize"): "its own helper",
     ("testbed/variants/fill8/reward.py", "_normalize"): "its own helper",
     ("testbed/workspace.py", "_normalize"): "its own helper",
-    ("tools/heatmap.py", "_inputs"): "its own helper",
 }
 """(module, name) -> why this equals a verl private name without touching verl"""
 

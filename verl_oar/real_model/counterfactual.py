@@ -34,7 +34,8 @@ from torch import Tensor
 from verl_oar.core.answer_span import decode_with_offsets
 from verl_oar.core.config import OARConfig
 from verl_oar.core.token_ranking import delete, entropy_scores, occlude, random_scores, top_count, top_fraction_mask
-from verl_oar.tools.heatmap import Sample, oar_g_importance, oar_p_importance
+from verl_oar.tools.heatmap.inputs import Sample
+from verl_oar.tools.heatmap.scoring import oar_g_importance, oar_p_importance
 
 __all__ = ["CATEGORIES", "EDITS", "FRACS", "RANKINGS", "answer_change", "answer_log_prob", "edited_sequence",
            "labelled_tokens", "rankings", "spearman", "token_categories", "top_overlap"]

@@ -225,7 +225,7 @@ def oracle_token_masks(response_ids: Sequence[int], tokenizer: Any) -> OracleMas
 
 
 def heatmap_oracle(response_ids: Sequence[int], tokenizer: Any) -> dict[str, list[bool]] | None:
-    """The oracle for ``verl_oar.tools.heatmap`` (its ``Oracle``): {"causal": (T,) bool list} of one
+    """The oracle for ``verl_oar.tools.heatmap`` (``scoring.Oracle``): {"causal": (T,) bool list} of one
     response, or None when it has no answer."""
     masks = oracle_token_masks(response_ids, tokenizer)
     return None if masks is None else {"causal": masks.causal.tolist()}

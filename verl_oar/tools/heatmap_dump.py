@@ -38,14 +38,17 @@ What one response's view shows (rows over its valid response tokens):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DUMP_VIEWS", "DumpError", "dump_estimator", "dump_records", "load_dump", "write_dump_outputs"]
+from verl_oar.tools.heatmap.inputs import DEFAULT_ROWS, HeatmapInputError, load_tokenizer, parse_rows
+from verl_oar.tools.heatmap.outputs import View, write_report
+from verl_oar.tools.heatmap_config import RunConfig
+
+__all__ = ["DUMP_VIEWS", "DumpError", "dump_estimator", "dump_records", "load_dump", "run", "write_dump_outputs"]
 
 DUMP_VIEWS = ("oar", "cscr", "oppo", "acpo", "codapo")
 """what a dump can show: OAR (``oar_g`` and ``oar_p`` dump the same keys), CSCR, OPPO, ACPO, CoDaPO"""
@@ -53,7 +56,6 @@ _SIGNATURE = (("oar", "oar_importance"), ("cscr", "cscr_pos_shift"), ("oppo", "o
               ("acpo", "acpo_surrogate"))
 """the key that marks each token estimator's dump, checked in this order"""
 REQUIRED = ("responses", "response_mask", "prompts")
-DEFAULT_ROWS = 8
 
 
 class DumpError(ValueError):
@@ -207,31 +209,42 @@ def dump_records(data: dict[str, Any], tokenizer, rows: Sequence[int] | None = N
     return records, summary
 
 
-def _title(record: dict, summary: dict, source: str) -> str:
+def _view(record: dict, summary: dict, source: str) -> View:
+    """One response's figure: its score rows, w~ rows and masks as dumped, and a title with its values."""
     name = summary["estimator"] + (" + codapo.compose" if summary["composed"] else "")
     values = " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record["values"].items())
     prompt = " ".join(record["prompt"].split())
     lines = [f"step {summary['step']} row {record['row']} | {name} | {source}" + (f" | {values}" if values else ""),
              f"prompt: {prompt if len(prompt) <= 120 else '…' + prompt[-119:]}"]
-    return "\n".join(lines + [f"note: {n}" for n in record["notes"]])
+    title = "\n".join(lines + [f"note: {n}" for n in record["notes"]])
+    return list(record["scores"].items()), list(record["weights"].items()), list(record["masks"].items()), title
 
 
 def write_dump_outputs(report: dict, out: Path, wrap: int) -> None:
     """heatmap_<row>.png, heatmap.html and heatmap.json in ``out``; their paths go into ``report["files"]``."""
-    from verl_oar.tools.heatmap_render import html_block, html_page, render_png
-
-    out.mkdir(parents=True, exist_ok=True)
     source = report["dump"] if len(report["dump"]) <= 60 else "…" + report["dump"][-59:]
-    pngs, blocks = [], []
-    for record in report["rows"]:
-        rows = list(record["scores"].items())
-        weights = list(record["weights"].items())
-        masks = list(record["masks"].items())
-        title = _title(record, report["config"], source)
-        png = out / f"heatmap_{record['row']}.png"
-        render_png(png, record["tokens"], rows, masks, title=title, wrap=wrap, weights=weights)
-        blocks.append(html_block(record["tokens"], rows, masks, title, weights=weights, wrap=wrap))
-        pngs.append(str(png))
-    report["files"] = {"png": pngs, "html": str(out / "heatmap.html"), "json": str(out / "heatmap.json")}
-    Path(report["files"]["html"]).write_text(html_page(blocks, f"Credit applied: {report['dump']}"), encoding="utf-8")
-    Path(report["files"]["json"]).write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
+    views = [_view(record, report["config"], source) for record in report["rows"]]
+    write_report(report, views, out, wrap, f"Credit applied: {report['dump']}")
+
+
+def run(args, run_config: RunConfig | None) -> dict:
+    """``--dump``: the credit the run applied, per row, from its step dump; no model. The tokenizer: ``--tokenizer``,
+    else ``--model``, else the run's ``actor_rollout_ref.model.path``; the estimator's name: the dump's keys, checked
+    against the run's ``algorithm.adv_estimator`` (which also tells ``oar_g`` from ``oar_p``)."""
+    path = args.tokenizer or args.model or (run_config.model_path if run_config is not None else None)
+    if not path:
+        raise HeatmapInputError("--dump needs a tokenizer to decode the dumped token ids: give --tokenizer PATH "
+                                "(the run's actor_rollout_ref.model.path)")
+    try:
+        data = load_dump(args.dump)
+        tokenizer = load_tokenizer(path)
+        records, summary = dump_records(data, tokenizer, parse_rows(args.rows),
+                                        run_config.adv_estimator if run_config is not None else None)
+    except DumpError as err:
+        raise HeatmapInputError(str(err)) from None
+    if run_config is not None and summary["estimator"] == "oar" and run_config.adv_estimator in ("oar_g", "oar_p"):
+        summary["estimator"] = run_config.adv_estimator
+    report = {"dump": str(args.dump), "tokenizer": path, "config": {**summary, "run_config": args.config},
+              "rows": records}
+    write_dump_outputs(report, Path(args.out), args.wrap)
+    return report
