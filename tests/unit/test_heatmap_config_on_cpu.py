@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from verl_oar.tools.heatmap import main
-from verl_oar.tools.heatmap_config import RunConfigError, read_run_config, setting_sources
+from verl_oar.tools.heatmap.run_config import RunConfigError, read_run_config, setting_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "config" / "qwen2_5_math_1_5b_oar_p.yaml"
@@ -235,7 +235,7 @@ def test_cscr_and_oppo_take_the_runs_sections(model_dir, tmp_path):
     from verl_oar.core.cscr import CSCRConfig
     from verl_oar.core.oppo import OPPOConfig
     from verl_oar.tools.heatmap import make_sample
-    from verl_oar.tools.heatmap_privileged import cscr_signal, oppo_signal
+    from verl_oar.tools.heatmap.privileged import cscr_signal, oppo_signal
 
     config = _write(tmp_path / "overrides.txt", "+algorithm.cscr.threshold=0.5\n+algorithm.cscr.floor=0.6\n"
                     "+algorithm.oppo.clip=0.0001\n")

@@ -304,7 +304,7 @@ def test_oppo_weights_for_every_valid_config(loaded):
 
     from verl_oar.core.oppo import CHOICES, OPPOConfig
     from verl_oar.tools.heatmap import make_sample
-    from verl_oar.tools.heatmap_privileged import oppo_signal
+    from verl_oar.tools.heatmap.privileged import oppo_signal
 
     model, tokenizer = loaded
     sample = make_sample(0, PROMPT, RESPONSE, tokenizer, True)

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from verl_oar.tools import heatmap_dump
-from verl_oar.tools.heatmap import rollouts
+from verl_oar.tools.heatmap import dump, rollouts
 from verl_oar.tools.heatmap.inputs import DEFAULT_ROWS, GROUND_TRUTH_KEYS, PROMPT_KEYS, RESPONSE_KEYS, HeatmapInputError
+from verl_oar.tools.heatmap.run_config import RunConfigError, read_run_config
 from verl_oar.tools.heatmap.scoring import ESTIMATORS, Oracle
 from verl_oar.tools.heatmap.settings import FLAG_FIELDS, MAX_TOKENS, flag_name
-from verl_oar.tools.heatmap_config import RunConfigError, read_run_config
 
 __all__ = ["DEFAULT_ESTIMATORS", "build_parser", "main", "run"]
 
@@ -116,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args, oracle: Oracle | None = None) -> dict:
-    """Read ``--config``, check the flags belong to the mode, and run it (``--dump``: ``heatmap_dump``; ``--model``:
+    """Read ``--config``, check the flags belong to the mode, and run it (``--dump``: ``dump``; ``--model``:
     ``rollouts``); returns the JSON content. Raises :class:`HeatmapInputError` on bad input."""
     try:
         run_config = read_run_config(args.config) if args.config else None
@@ -131,7 +130,7 @@ def run(args, oracle: Oracle | None = None) -> dict:
         if recompute_only:
             raise HeatmapInputError(f"--dump draws what the run dumped; {', '.join(dict.fromkeys(recompute_only))} "
                                     "only apply when recomputing from --model: drop them, or drop --dump")
-        return heatmap_dump.run(args, run_config)
+        return dump.run(args, run_config)
     if args.model is None:
         raise HeatmapInputError("give --model PATH (a Hugging Face model directory; a verl checkpoint must be merged "
                                 "first, see --help) to recompute credit, or --dump STEP_PT to draw what a run applied")

@@ -69,9 +69,9 @@ from verl_oar.tools.heatmap.inputs import (
 from verl_oar.tools.heatmap.outputs import View, write_report
 from verl_oar.tools.heatmap.scoring import Oracle, neutral_id, parse_estimators, score_sample
 from verl_oar.tools.heatmap.settings import flag_name, print_settings, resolve_settings
-from verl_oar.tools.heatmap_config import RunConfig
-from verl_oar.tools.heatmap_modal import CODAPO_NEEDS_GROUP
-from verl_oar.tools.heatmap_privileged import PRIVILEGED
+from verl_oar.tools.heatmap.run_config import RunConfig
+from verl_oar.tools.heatmap.modal import CODAPO_NEEDS_GROUP
+from verl_oar.tools.heatmap.privileged import PRIVILEGED
 
 __all__ = ["items_to_score", "load_oracle", "run"]
 

@@ -32,8 +32,8 @@ from verl_oar.core.perturbation import PerturbationConfig
 from verl_oar.core.reshape import Fallback, importance_to_weights
 from verl_oar.tools.heatmap.inputs import HeatmapInputError, Sample
 from verl_oar.tools.heatmap.settings import Settings
-from verl_oar.tools.heatmap_modal import acpo_signal
-from verl_oar.tools.heatmap_privileged import PRIVILEGED, cscr_signal, oppo_signal
+from verl_oar.tools.heatmap.modal import acpo_signal
+from verl_oar.tools.heatmap.privileged import PRIVILEGED, cscr_signal, oppo_signal
 
 __all__ = ["ESTIMATORS", "Oracle", "neutral_id", "oar_g_importance", "oar_p_importance", "oar_weights",
            "parse_estimators", "score_sample"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from verl_oar.core.config import OARConfig
 from verl_oar.tools.heatmap.inputs import HeatmapInputError
-from verl_oar.tools.heatmap_config import RunConfig, section_config, setting_sources
+from verl_oar.tools.heatmap.run_config import RunConfig, section_config, setting_sources
 
 __all__ = ["FLAG_FIELDS", "MAX_TOKENS", "OAR_SCORING_KEYS", "TOOL_DEFAULTS", "Settings", "flag_name", "print_settings",
            "resolve_settings"]

@@ -14,7 +14,7 @@ Accepted files, given once or several times (later files win, key by key):
 What is taken: ``algorithm.adv_estimator``; ``algorithm.oar`` / ``cscr`` / ``oppo`` / ``acpo`` / ``codapo`` (each
 parsed by its core config class, so an unknown key is refused as training refuses it);
 ``actor_rollout_ref.rollout.temperature``; ``actor_rollout_ref.model.path``. :func:`setting_sources` says where
-each setting came from.
+each setting came from; ``settings.resolve_settings`` lays the flags over them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
-"""The credit a run actually applied, read from one of its per-step dumps (``+algorithm.oar.dump_dir``), drawn
-per response without any model forward.
+"""Dump mode (``--dump``): the credit a run actually applied, read from one of its per-step dumps
+(``+algorithm.oar.dump_dir``), drawn per response without any model forward.
+
+    verl-oar heatmap --dump DIR/step_N.pt --config RUN_CONFIG [--rows 0,3,5]   # or --tokenizer MODEL_PATH
+
+:func:`run` is the mode: the tokenizer from ``--tokenizer``, ``--model`` or the run's
+``actor_rollout_ref.model.path``; the estimator from the dump's keys, checked against the run's
+``algorithm.adv_estimator``; one view per row (below), written by ``outputs``.
 
 A dump ``{dump_dir}/step_N.pt`` (``integration.dump.dump_step``) holds, every per-token tensor (bs, R) padded
 to the batch's response length, on CPU:
@@ -46,7 +52,7 @@ import torch
 
 from verl_oar.tools.heatmap.inputs import DEFAULT_ROWS, HeatmapInputError, load_tokenizer, parse_rows
 from verl_oar.tools.heatmap.outputs import View, write_report
-from verl_oar.tools.heatmap_config import RunConfig
+from verl_oar.tools.heatmap.run_config import RunConfig
 
 __all__ = ["DUMP_VIEWS", "DumpError", "dump_estimator", "dump_records", "load_dump", "run", "write_dump_outputs"]
 
