@@ -383,6 +383,24 @@ def test_bad_input(model_dir, rollouts_jsonl, capsys, args, message):
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_help_shows_the_common_case_first():
+    """--help: the usage lines are the common calls, the first group holds the few flags they need, and every
+    other flag sits in a group titled "advanced: ..." (each has a default: --config's, else training's)."""
+    from verl_oar.tools.heatmap.cli import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    assert text.startswith("usage: python -m verl_oar.tools.heatmap --dump DIR/step_N.pt --config RUN_CONFIG")
+    groups = [g for g in parser._action_groups  # argparse's own: positional (empty here) and -h
+              if g._group_actions and g.title not in ("options", "optional arguments")]
+    common, *advanced = groups
+    assert common.title == "the common case" and text.index("the common case:") < text.index("advanced:")
+    assert {a.dest for a in common._group_actions} == {"dump", "model", "config", "rollouts", "rows", "prompt",
+                                                      "response", "estimators", "out"}
+    assert advanced and all(g.title.startswith("advanced: ") for g in advanced)
+    assert not any(a.required for g in groups for a in g._group_actions)
+
+
 # ---------------------------------------------------------------------------------------------------
 # rendering
 # ---------------------------------------------------------------------------------------------------

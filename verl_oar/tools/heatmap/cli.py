@@ -33,10 +33,16 @@ __all__ = ["DEFAULT_ESTIMATORS", "build_parser", "main", "run"]
 
 DEFAULT_ESTIMATORS = "oar_g,oar_p"
 """--estimators without the flag"""
+USAGE = """\
+%(prog)s --dump DIR/step_N.pt --config RUN_CONFIG [--rows 0,3,5] [--out DIR]
+       %(prog)s --model HF_DIR --config RUN_CONFIG --rollouts FILE [--rows 0,3,5] [--out DIR]
+       %(prog)s --model HF_DIR --prompt TEXT --response TEXT [--config RUN_CONFIG]
+       (--estimators picks what --model recomputes; the advanced flags below are rarely needed)"""
+"""the common case first: what a run applied (--dump), or a recompute with the run's settings (--model)"""
 EPILOG = """\
-modes:
-  --dump DIR/step_N.pt --tokenizer MODEL_PATH   the credit the run applied (+algorithm.oar.dump_dir=DIR); no model
-  --model HF_DIR ...                            recompute; add --config RUN_CONFIG for the run's settings
+--config RUN_CONFIG: the run's composed config (<run dir>/.hydra/config.yaml), a logged config, a recipe yaml or a
+file of Hydra overrides; repeat to layer them (later wins). Without it the settings are training's defaults (OAR-P
+chunk mode, K=16) and --dump needs --tokenizer (or --model).
 
 a verl checkpoint is sharded; merge it into a Hugging Face folder first (verl 0.9.1):
   python -m verl.model_merger merge --backend fsdp \\
@@ -46,71 +52,89 @@ a verl checkpoint is sharded; merge it into a Hugging Face folder first (verl 0.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m verl_oar.tools.heatmap", description=__doc__.splitlines()[0],
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_argument_group("what to score")
-    source.add_argument("--model",
-                        help="Hugging Face causal LM directory (or hub id) with its tokenizer; a verl checkpoint "
-                             "must be merged into one first (see the end of --help)")
-    source.add_argument("--dump", metavar="STEP_PT",
+    """The flags: the common case's group first, then the advanced ones (each with a default from ``--config``,
+    else training's, else the tool's)."""
+    parser = argparse.ArgumentParser(prog="python -m verl_oar.tools.heatmap", usage=USAGE,
+                                     description=__doc__.splitlines()[0], epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = parser.add_argument_group("the common case")
+    common.add_argument("--dump", metavar="STEP_PT",
                         help="draw the credit a run applied from its dump ({dump_dir}/step_N.pt of "
-                             "+algorithm.oar.dump_dir): no model forward; needs --tokenizer (or --model)")
-    source.add_argument("--tokenizer", metavar="PATH",
+                             "+algorithm.oar.dump_dir): no model forward; decoded with --tokenizer, else the "
+                             "--config's model path")
+    common.add_argument("--model", metavar="HF_DIR",
+                        help="recompute with this Hugging Face causal LM directory (or hub id) and its tokenizer; "
+                             "a verl checkpoint must be merged into one first (see the end of --help)")
+    common.add_argument("--config", action="append", default=[], metavar="RUN_CONFIG",
+                        help="the run's config (see below): the estimator settings, temperature, (--dump) estimator "
+                             "name and tokenizer are taken from it; explicit flags still win")
+    common.add_argument("--rollouts", metavar="FILE", help="a .parquet or .jsonl file of rollouts")
+    common.add_argument("--rows",
+                        help=f"comma-separated rows of --rollouts or --dump (default: the first {DEFAULT_ROWS})")
+    common.add_argument("--prompt", metavar="TEXT",
+                        help="prompt text (chat template applied unless --no-chat-template)")
+    common.add_argument("--response", metavar="TEXT", help="response text as generated")
+    common.add_argument("--estimators", default=DEFAULT_ESTIMATORS, metavar="LIST",
+                        help=f"--model: comma-separated, of {', '.join(ESTIMATORS)} (default: {DEFAULT_ESTIMATORS}; "
+                             "codapo only from --dump, it needs the group)")
+    common.add_argument("--out", default="oar_heatmap", metavar="DIR", help="output directory (default: oar_heatmap)")
+
+    inputs = parser.add_argument_group("advanced: inputs")
+    inputs.add_argument("--tokenizer", metavar="PATH",
                         help="--dump: the tokenizer to decode the dumped ids with (the run's model path); "
                              "default: --model, else the --config's actor_rollout_ref.model.path")
-    source.add_argument("--config", action="append", default=[], metavar="FILE",
-                        help="the run's config (composed .hydra/config.yaml or logged config, a recipe yaml, or a "
-                             "file of Hydra overrides; repeat to layer them): the estimator settings, temperature "
-                             "and (--dump) estimator name are taken from it; explicit flags still win")
-    source.add_argument("--prompt", help="prompt text (chat template applied unless --no-chat-template)")
-    source.add_argument("--response", help="response text as generated")
-    source.add_argument("--rollouts", help="a .parquet or .jsonl file of rollouts")
-    source.add_argument("--rows", help=f"comma-separated rows of --rollouts (default: the first {DEFAULT_ROWS})")
-    source.add_argument("--prompt-key", help=f"prompt column (default: {' then '.join(PROMPT_KEYS)})")
-    source.add_argument("--response-key", help=f"response column (default: {' then '.join(RESPONSE_KEYS)})")
-    source.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+    inputs.add_argument("--prompt-key", metavar="KEY", help=f"prompt column (default: {' then '.join(PROMPT_KEYS)})")
+    inputs.add_argument("--response-key", metavar="KEY",
+                        help=f"response column (default: {' then '.join(RESPONSE_KEYS)})")
+    inputs.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                         help="apply the tokenizer's chat template to a text prompt (default: yes, except for "
                              "verl's rollout dump key 'input', already templated); message lists always are")
-    method = parser.add_argument_group("estimators")
-    method.add_argument("--estimators", default=DEFAULT_ESTIMATORS,
-                        help=f"comma-separated: {', '.join(ESTIMATORS)} (codapo: only from --dump, it needs the group)")
-    method.add_argument("--oar-p-mode", choices=("exact", "chunk", "line", "hierarchical"), default=None,
-                        help="default: the --config's algorithm.oar.perturb_mode, else training's (chunk); "
-                             "exact: every token on its own, the paper's definition")
-    method.add_argument("--oar-p-budget", type=int, default=None,
-                        help="K spans in chunk / line / hierarchical mode (default: --config's, else 16)")
-    method.add_argument("--oar-p-refine-top", type=int, default=None,
-                        help="hierarchical mode: chunks refined (m) (default: --config's, else 4)")
-    method.add_argument("--oar-p-refine-unit", type=int, default=None,
-                        help="hierarchical mode: tokens per refined unit (default: --config's, else 4)")
-    method.add_argument("--oar-p-max-tokens", type=int, default=None,
-                        help=f"tokens per OAR-P model call (default: --config's perturb_max_tokens, else {MAX_TOKENS})")
-    method.add_argument("--neutral", default=None,
-                        help="OAR-P occlusion token: pad, space or a token id (default: --config's "
-                             "perturb_token_id, else pad)")
-    method.add_argument("--temperature", type=float, default=None,
-                        help="rollout temperature, logits are divided by it (default: --config's "
-                             "actor_rollout_ref.rollout.temperature, else 1.0)")
-    method.add_argument("--seed", type=int, default=None,
-                        help="seed of OAR-G's embedding noise (default: --config's algorithm.oar.seed, else 0)")
-    method.add_argument("--advantage", type=float, default=1.0,
-                        help="ACPO: the response's GRPO advantage; its sign picks the success (> 0) or failure (< 0) "
-                             "weighting")
-    method.add_argument("--ground-truth", help="OPPO: the reference answer of --prompt")
-    method.add_argument("--ground-truth-key",
-                        help=f"OPPO: the rollouts' reference-answer column (default: {' then '.join(GROUND_TRUTH_KEYS)})")
-    method.add_argument("--reward", type=float, default=1.0, help="OPPO: the response's reward in [0, 1]")
-    method.add_argument("--oracle", metavar="MODULE:FUNCTION",
+    inputs.add_argument("--oracle", metavar="MODULE:FUNCTION",
                         help="also draw an oracle's masks of known causal tokens, oracle(response_ids, tokenizer) -> "
                              "{name: [bool]*T} or None; e.g. verl_oar.testbed.pick_max:heatmap_oracle")
-    method.add_argument("--answer-locator", default=None, metavar="SPEC",
-                        help="the run's algorithm.oar.answer_locator (pkg://module.function or file.py:function); "
-                             "default: the built-in")
-    output = parser.add_argument_group("output and hardware")
-    output.add_argument("--out", default="oar_heatmap", help="output directory")
-    output.add_argument("--wrap", type=int, default=48, help="tokens per line in the figures")
-    output.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    output.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+
+    settings = parser.add_argument_group(
+        "advanced: estimator settings (--model; default: the --config run's, else training's)")
+    settings.add_argument("--oar-p-mode", choices=("exact", "chunk", "line", "hierarchical"), default=None,
+                          help="default: the --config's algorithm.oar.perturb_mode, else training's (chunk); "
+                               "exact: every token on its own, the paper's definition")
+    settings.add_argument("--oar-p-budget", type=int, default=None, metavar="K",
+                          help="K spans in chunk / line / hierarchical mode (default: --config's, else 16)")
+    settings.add_argument("--oar-p-refine-top", type=int, default=None, metavar="M",
+                          help="hierarchical mode: chunks refined (m) (default: --config's, else 4)")
+    settings.add_argument("--oar-p-refine-unit", type=int, default=None, metavar="N",
+                          help="hierarchical mode: tokens per refined unit (default: --config's, else 4)")
+    settings.add_argument("--oar-p-max-tokens", type=int, default=None, metavar="N",
+                          help="tokens per OAR-P model call (default: --config's perturb_max_tokens, else "
+                               f"{MAX_TOKENS})")
+    settings.add_argument("--neutral", default=None, metavar="{pad,space,ID}",
+                          help="OAR-P occlusion token (default: --config's perturb_token_id, else pad)")
+    settings.add_argument("--temperature", type=float, default=None, metavar="T",
+                          help="rollout temperature, logits are divided by it (default: --config's "
+                               "actor_rollout_ref.rollout.temperature, else 1.0)")
+    settings.add_argument("--seed", type=int, default=None, metavar="N",
+                          help="seed of OAR-G's embedding noise (default: --config's algorithm.oar.seed, else 0)")
+    settings.add_argument("--answer-locator", default=None, metavar="SPEC",
+                          help="the run's algorithm.oar.answer_locator (pkg://module.function or file.py:function); "
+                               "default: --config's, else the built-in")
+
+    outcome = parser.add_argument_group("advanced: the response's outcome (--model; OPPO and ACPO)")
+    outcome.add_argument("--ground-truth", metavar="TEXT", help="OPPO: the reference answer of --prompt")
+    outcome.add_argument("--ground-truth-key", metavar="KEY",
+                         help="OPPO: the rollouts' reference-answer column (default: "
+                              f"{' then '.join(GROUND_TRUTH_KEYS)})")
+    outcome.add_argument("--reward", type=float, default=1.0, metavar="R",
+                         help="OPPO: the response's reward in [0, 1] (default: 1.0)")
+    outcome.add_argument("--advantage", type=float, default=1.0, metavar="A",
+                         help="ACPO: the response's GRPO advantage; its sign picks the success (> 0) or failure (< 0) "
+                              "weighting (default: 1.0)")
+
+    output = parser.add_argument_group("advanced: figures and hardware")
+    output.add_argument("--wrap", type=int, default=48, metavar="N",
+                        help="tokens per line in the figures (default: 48)")
+    output.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="--model: the weights' dtype on load (default: float32)")
+    output.add_argument("--device", choices=("cpu", "cuda"), default=None, help="--model: default: cuda if available")
     return parser
 
 
