@@ -166,6 +166,27 @@ def test_recompute_uses_the_runs_settings_and_prints_their_sources(model_dir, tm
     assert flagged["config"]["oar_p_budget"] == 2 and flagged["config"]["temperature"] == 0.7
 
 
+def test_without_estimators_the_heatmap_scores_what_the_run_trained(model_dir, tmp_path, capsys):
+    """No --estimators: the --config run's algorithm.adv_estimator when the heatmap can recompute it, so the default
+    heatmap shows the credit the run used; a GRPO run (no token credit) or no --config: OAR-G and OAR-P; CoDaPO,
+    which needs the group, is refused naming the fix."""
+    oar_p_run = _write(tmp_path / "oar_p.txt", "algorithm.adv_estimator=oar_p\n")
+    report = _run(model_dir, tmp_path / "a", "--config", str(oar_p_run))
+    assert report["config"]["estimators"] == ["oar_p"] and list(report["rows"][0]["scores"]) == ["oar_p"]
+    assert report["config"]["settings"]["estimators"] == {"value": "oar_p",
+                                                          "source": "--config's algorithm.adv_estimator"}
+    grpo_run = _write(tmp_path / "grpo.txt", "algorithm.adv_estimator=grpo\n")
+    report = _run(model_dir, tmp_path / "b", "--config", str(grpo_run))
+    assert report["config"]["estimators"] == ["oar_g", "oar_p"]
+    assert "estimators = 'oar_g,oar_p' (tool default (--config's algorithm.adv_estimator is grpo))" \
+        in capsys.readouterr().err
+    assert _run(model_dir, tmp_path / "c", "--config", str(oar_p_run), "--estimators", "oar_g")["config"][
+        "estimators"] == ["oar_g"]
+    codapo_run = _write(tmp_path / "codapo.txt", "algorithm.adv_estimator=codapo\n")
+    with pytest.raises(SystemExit, match=r"trains codapo.*draw a dump of the run \(--dump\)"):
+        _run(model_dir, tmp_path / "d", "--config", str(codapo_run))
+
+
 def _acpo_reference(model, tokenizer, sample, temperature: float, surrogate: str) -> torch.Tensor:
     """H~ per response token, one position at a time, float64 from the model's own logits."""
     ids = torch.tensor([sample.prompt_ids + sample.response_ids])

@@ -26,13 +26,11 @@ from collections.abc import Sequence
 from verl_oar.tools.heatmap import dump, rollouts
 from verl_oar.tools.heatmap.inputs import DEFAULT_ROWS, GROUND_TRUTH_KEYS, PROMPT_KEYS, RESPONSE_KEYS, HeatmapInputError
 from verl_oar.tools.heatmap.run_config import RunConfigError, read_run_config
-from verl_oar.tools.heatmap.scoring import ESTIMATORS, Oracle
+from verl_oar.tools.heatmap.scoring import DEFAULT_ESTIMATORS, ESTIMATORS, Oracle
 from verl_oar.tools.heatmap.settings import FLAG_FIELDS, MAX_TOKENS, flag_name
 
-__all__ = ["DEFAULT_ESTIMATORS", "build_parser", "main", "run"]
+__all__ = ["build_parser", "main", "run"]
 
-DEFAULT_ESTIMATORS = "oar_g,oar_p"
-"""--estimators without the flag"""
 USAGE = """\
 %(prog)s --dump DIR/step_N.pt --config RUN_CONFIG [--rows 0,3,5] [--out DIR]
        %(prog)s --model HF_DIR --config RUN_CONFIG --rollouts FILE [--rows 0,3,5] [--out DIR]
@@ -74,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--prompt", metavar="TEXT",
                         help="prompt text (chat template applied unless --no-chat-template)")
     common.add_argument("--response", metavar="TEXT", help="response text as generated")
-    common.add_argument("--estimators", default=DEFAULT_ESTIMATORS, metavar="LIST",
-                        help=f"--model: comma-separated, of {', '.join(ESTIMATORS)} (default: {DEFAULT_ESTIMATORS}; "
+    common.add_argument("--estimators", default=None, metavar="LIST",
+                        help=f"--model: comma-separated, of {', '.join(ESTIMATORS)} (default: the --config run's "
+                             f"algorithm.adv_estimator when it is one of them, else {DEFAULT_ESTIMATORS}; "
                              "codapo only from --dump, it needs the group)")
     common.add_argument("--out", default="oar_heatmap", metavar="DIR", help="output directory (default: oar_heatmap)")
 
@@ -149,7 +148,7 @@ def run(args, oracle: Oracle | None = None) -> dict:
         recompute_only = [flag_name(d) for d in ("prompt", "response", "rollouts", "prompt_key", "response_key",
                                                  "ground_truth", "ground_truth_key", "oracle", "temperature",
                                                  *FLAG_FIELDS) if getattr(args, d, None) not in (None, "")]
-        if args.estimators != DEFAULT_ESTIMATORS:
+        if args.estimators is not None:
             recompute_only.append("--estimators")
         if recompute_only:
             raise HeatmapInputError(f"--dump draws what the run dumped; {', '.join(dict.fromkeys(recompute_only))} "

@@ -67,7 +67,7 @@ from verl_oar.tools.heatmap.inputs import (
     read_rollouts,
 )
 from verl_oar.tools.heatmap.outputs import View, write_report
-from verl_oar.tools.heatmap.scoring import Oracle, neutral_id, parse_estimators, score_sample
+from verl_oar.tools.heatmap.scoring import DEFAULT_ESTIMATORS, Oracle, neutral_id, run_estimators, score_sample
 from verl_oar.tools.heatmap.settings import flag_name, print_settings, resolve_settings
 from verl_oar.tools.heatmap.run_config import RunConfig
 from verl_oar.tools.heatmap.modal import CODAPO_NEEDS_GROUP
@@ -149,7 +149,8 @@ def run(args, run_config: RunConfig | None, oracle: Oracle | None = None) -> dic
     """Score, draw and write; returns the JSON content. ``run_config``: the ``--config`` files read (None without);
     ``oracle``: see ``scoring.Oracle`` (default: the one ``--oracle`` names, if any). Raises
     :class:`HeatmapInputError` on bad input, before any model is loaded where it can."""
-    estimators = parse_estimators(args.estimators)
+    estimators, estimators_source = run_estimators(args.estimators, run_config and run_config.adv_estimator,
+                                                   DEFAULT_ESTIMATORS)
     if "codapo" in estimators:
         raise HeatmapInputError(CODAPO_NEEDS_GROUP)
     for flag in ("oar_p_budget", "oar_p_max_tokens", "oar_p_refine_top", "oar_p_refine_unit"):
@@ -160,6 +161,8 @@ def run(args, run_config: RunConfig | None, oracle: Oracle | None = None) -> dic
     if not 0.0 <= args.reward <= 1.0:
         raise HeatmapInputError(f"--reward {args.reward}: OPPO reads it as the response's success probability, in [0, 1]")
     settings = resolve_settings(args, run_config, estimators)
+    settings.sources = {"estimators": {"value": ",".join(estimators), "source": estimators_source},
+                        **settings.sources}
     print_settings(settings.sources)
     if "oppo" in estimators and settings.oppo.oracle != "self":
         print(f"verl_oar.tools.heatmap: the run's OPPO oracle is {settings.oppo.oracle!r} (algorithm.oppo.teacher: "

@@ -35,15 +35,33 @@ from verl_oar.tools.heatmap.settings import Settings
 from verl_oar.tools.heatmap.modal import acpo_signal
 from verl_oar.tools.heatmap.privileged import PRIVILEGED, cscr_signal, oppo_signal
 
-__all__ = ["ESTIMATORS", "Oracle", "neutral_id", "oar_g_importance", "oar_p_importance", "oar_weights",
-           "parse_estimators", "score_sample"]
+__all__ = ["DEFAULT_ESTIMATORS", "ESTIMATORS", "Oracle", "neutral_id", "oar_g_importance", "oar_p_importance",
+           "oar_weights", "parse_estimators", "run_estimators", "score_sample"]
 
 ESTIMATORS = ("oar_g", "oar_p", *PRIVILEGED, "acpo", "codapo")
 """every registered estimator; ``codapo`` only from a dump (``--dump``): it needs the whole group"""
+DEFAULT_ESTIMATORS = "oar_g,oar_p"
+"""--estimators without the flag when no --config names a run of one of :data:`ESTIMATORS` (:func:`run_estimators`)"""
 
 Oracle = Callable[[list[int], Any], "dict[str, list[bool]] | None"]
 """``oracle(response_ids, tokenizer)``: named (T,) masks of known causal tokens of one response
 (drawn as "oracle <name>" under the scores), or None when it has none for this response."""
+
+
+def run_estimators(given: str | None, run_estimator: str | None, default: str) -> tuple[list[str], str]:
+    """The estimators a recompute scores and where they came from: ``--estimators`` when given; else the run's
+    ``algorithm.adv_estimator`` (``--config``) when it is one of :data:`ESTIMATORS`, so that a heatmap shows the
+    credit the run used; else ``default`` (a GRPO run, or no --config). CoDaPO reweights whole groups: a run of it
+    is refused here with the fix (draw its dump)."""
+    if given is not None:
+        return parse_estimators(given), "--estimators"
+    if run_estimator == "codapo":
+        raise HeatmapInputError("the --config run trains codapo, whose weights need the whole group: draw a dump of "
+                                "the run (--dump), or name the estimators to recompute (--estimators oar_g,...)")
+    if run_estimator in ESTIMATORS:
+        return [run_estimator], "--config's algorithm.adv_estimator"
+    why = f"--config's algorithm.adv_estimator is {run_estimator}" if run_estimator else "no --config"
+    return parse_estimators(default), f"tool default ({why})"
 
 
 def parse_estimators(text: str) -> list[str]:
