@@ -88,10 +88,9 @@ def _numbers(arithmetic: str) -> list[int]:
 
 
 def cmd_sample(args) -> None:
-    from real_task_start import generate
-
     from verl_oar.data.arithmetic import prompt_text
     from verl_oar.real_model.launch import TASK
+    from verl_oar.real_model.sampling import generate
     from verl_oar.rewards.math_reward import compute_score
     from verl_oar.tools.heatmap import HeatmapInputError, make_sample
 
@@ -382,6 +381,7 @@ def main(argv=None) -> int:
     elif args.table:
         print(tables(json.loads(args.out.read_text())))
     else:
+        from verl_oar.real_model.sampling import SAMPLER
         from verl_oar.testbed.machine import cpu_id, machine_info
 
         results = collect(args.store)
@@ -392,6 +392,7 @@ def main(argv=None) -> int:
                    "commands": [f"python benchmarks/real_model_counterfactual.py {s}" for s in
                                 ("sample --responses 120", "score", "worked --problems 60", "collect")],
                    "model": {"source": record["source"], "parameters": record["parameters"]},
+                   "sampler": SAMPLER,
                    "machine": {**machine_info(), "cpu_id": cpu_id()}, **results}
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         figure(results, args.figure)

@@ -36,34 +36,9 @@ def parse_design(text: str):
                     answer="label" if "label" in flags else "boxed")
 
 
-def generate(model, tokenizer, prompts: list[str], *, samples: int, greedy: bool, max_new_tokens: int, seed: int,
-             batch: int) -> list[tuple[str, int, bool]]:
-    """(decoded response, its token count, cut at the limit) per (prompt, sample), prompt-major."""
-    import torch
-
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
-    wanted = [t for t in texts for _ in range(1 if greedy else samples)]
-    out = []
-    torch.manual_seed(seed)
-    for start in range(0, len(wanted), batch):
-        chunk = wanted[start:start + batch]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True)
-        with torch.no_grad():
-            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy,
-                                 temperature=None if greedy else 1.0, top_k=None if greedy else 0,
-                                 top_p=None if greedy else 1.0, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
-        for row in ids[:, enc["input_ids"].shape[1]:]:
-            tokens = row.tolist()
-            ended = tokenizer.eos_token_id in tokens
-            n = tokens.index(tokenizer.eos_token_id) + 1 if ended else len(tokens)
-            out.append((tokenizer.decode(tokens[:n], skip_special_tokens=True), n, not ended))
-    return out
-
-
 def measure(model, tokenizer, spec, args) -> dict:
     from verl_oar.data.arithmetic import problems, prompt_text
+    from verl_oar.real_model.sampling import generate
     from verl_oar.rewards.math_reward import compute_score
 
     chosen = problems(spec, "test")[: args.problems]
