@@ -25,7 +25,8 @@ earlier run, when the series module had one launch fewer)"""
 HEAVY_NON_LAUNCH_FIRST = (
     "unit/test_upstream_prs_on_cpu.py", "unit/test_fast_runner_on_cpu.py", "engine-checks",
     "unit/test_recipe_configs_on_cpu.py", "unit/test_trainer_hook_on_cpu.py", "unit/test_gpu_acceptance_on_cpu.py",
-    "engine/test_engine_multirank_on_cpu.py", "unit/test_memory_estimate_on_cpu.py",
+    "engine/test_engine_multirank_on_cpu.py", "engine/test_megatron_real_on_cpu.py",
+    "unit/test_memory_estimate_on_cpu.py",
     "unit/test_heatmap_checkpoint_on_cpu.py", "unit/test_check_on_cpu.py", "unit/test_demo_on_cpu.py",
     "unit/test_batch_scale_on_cpu.py", "unit/test_compare_long_run_on_cpu.py",
 )

@@ -86,6 +86,12 @@ class MegatronLogits:
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.sequence_parallel = bool(self.gpt.config.sequence_parallel) and self.tp_size > 1
         self.thd = bool(engine.engine_config.use_remove_padding)
+        if self.thd and not torch.cuda.is_available():
+            raise ValueError(
+                "OAR importance on verl's Megatron engine without CUDA supports the padded (BSHD) layout only: "
+                "the packed (THD) layout needs TransformerEngine's attention, which needs CUDA. Set "
+                "actor_rollout_ref.model.use_remove_padding=False (and ref.model the same) to run on the CPU."
+            )
         self.fp8 = getattr(self.gpt.config, "fp8", None) in ("e4m3", "hybrid")
         self.vocab_size = int(hf_config.vocab_size)
         self.hidden_size = int(hf_config.hidden_size)
