@@ -1,18 +1,21 @@
-"""OAR on verl's Megatron engine, everything but megatron-core itself, on the CPU.
+"""OAR on verl's Megatron engine in the packed (THD) layout, and the Megatron seams, on the CPU with a toy model.
 
-megatron-core needs CUDA, so ``GPTModel`` is replaced by a toy model with the same interface as
-``engines.megatron.forward.MegatronLogits`` sees it: sequence-first [S, B, H] embeddings that each
-tensor-parallel rank holds a shard of under sequence parallelism, a per-sample causal mixer that
-respects verl's packing, batch-first [B, S, V] logits. What runs for real:
+The padded (BSHD) layout runs on a real megatron-core ``GPTModel`` in
+``tests/engine/test_megatron_real_on_cpu.py``. The packed layout cannot run here with real megatron-core
+(its attention over packed sequences needs TransformerEngine, i.e. CUDA), so for THD ``GPTModel`` is
+replaced by a toy model with the same interface as ``engines.megatron.forward.MegatronLogits`` sees it:
+sequence-first [S, B, H] embeddings that each tensor-parallel rank holds a shard of under sequence
+parallelism, a per-sample causal mixer that respects verl's packing, batch-first [B, S, V] logits. What
+runs for real:
 
-* OAR-G: ``engines.megatron.gradient.gradient_in_megatron_forward`` (layout, masks, per-sequence noise
+* OAR-G: ``engines.megatron.gradient.gradient_in_megatron_forward`` (THD layout, masks, per-sequence noise
   sliced to the rank's shard, clean and noisy passes, ``backward`` with frozen parameters, scores,
   all-gather of the shards in rank order) on a 2-rank gloo group standing in for TP = 2, with and
-  without sequence parallelism, THD and BSHD; compared with ``importance.gradient`` run per
-  sequence, unpacked (the reference the FSDP engine is checked against); every rank must return
-  the same scores, and parameters, grads and router counters are left as found;
+  without sequence parallelism; compared with ``importance.gradient`` run per sequence, unpacked (the
+  reference the FSDP engine is checked against); every rank must return the same scores, and
+  parameters, grads and MoE router counters (no MoE in the real test) are left as found;
 * OAR-P: ``engines.megatron.perturbation.MegatronRowsModel`` under ``batched_perturbation_importance``
-  (copies of all samples in shared packed calls) against the naive per-copy loop, THD and BSHD.
+  (copies of all samples in shared packed calls) against the naive per-copy loop, THD.
 
 The ranks run in subprocesses (this file's ``__main__``): torch.distributed's group is process-global.
 """
@@ -149,7 +152,7 @@ def reference_rows(toy, ids, reasoning, predict, oar: dict, step: int, temperatu
 CASES = [
     dict(thd=True, sp=True, objective="noisy_kl", saliency="grad_x_input", outcome="mean"),
     dict(thd=True, sp=False, objective="noisy_kl", saliency="grad_norm", outcome="single"),
-    dict(thd=False, sp=True, objective="loglik", saliency="grad_x_input", outcome="mean"),
+    # BSHD (padded) cases: tests/engine/test_megatron_real_on_cpu.py, on real megatron-core
     dict(thd=True, sp=True, objective="noisy_kl", saliency="grad_x_input", outcome="joint"),
 ]
 
@@ -229,18 +232,18 @@ def test_megatron_oar_g_leaves_parameters_grads_and_router_counters_as_found(tp2
     assert all(case["untouched"] for rank in ranks for case in rank)
 
 
-@pytest.mark.parametrize("thd", [True, False])
 @pytest.mark.parametrize("mode, outcome", [("exact", "mean"), ("chunk", "joint")])
 @pytest.mark.parametrize("max_tokens", [1, 10_000])
-def test_megatron_oar_p_rows_model_equals_the_naive_loop(thd, mode, outcome, max_tokens):
-    """Copies of all samples batched across samples (rows of different lengths in one packed call)."""
+def test_megatron_oar_p_rows_model_equals_the_naive_loop(mode, outcome, max_tokens):
+    """Copies of all samples batched across samples (rows of different lengths in one packed THD call; the
+    padded layout on real megatron-core: tests/engine/test_megatron_real_on_cpu.py)."""
     from _oar_p_reference import naive_perturbation_importance
 
     from verl_oar.core.perturbation import PerturbationConfig, Sample, batched_perturbation_importance, occlusion_spans
     from verl_oar.engines.megatron.perturbation import MegatronRowsModel
 
     toy = ToyGPT(seed=11)
-    model = MegatronRowsModel(fake_forward(toy, tp_size=1, tp_rank=0, sequence_parallel=False, thd=thd))
+    model = MegatronRowsModel(fake_forward(toy, tp_size=1, tp_rank=0, sequence_parallel=False, thd=True))
     _, ids, reasoning, predict = make_micro_batch(seed=4)
     cfg = PerturbationConfig(outcome=outcome, mode=mode, budget=3, share_prefix=False)
     samples = [Sample(x, torch.arange(len(x)), occlusion_spans(r.bool(), mode, 3), d.bool(), 0.7)
@@ -253,7 +256,7 @@ def test_megatron_oar_p_rows_model_equals_the_naive_loop(thd, mode, outcome, max
         assert cost.copies == (int(sample.span.max()) + 1 if bool(sample.predict.any()) and bool((sample.span >= 0).any())
                                else 0)
     scored = sum(bool(s.predict.any()) and bool((s.span >= 0).any()) for s in samples)
-    # one row per call under a budget of 1 token; otherwise rows share calls (as padding allows: BSHD pads)
+    # one row per call under a budget of 1 token; otherwise rows share calls
     if max_tokens == 1:
         assert total.forwards == scored + total.copies
     else:
