@@ -17,8 +17,10 @@ builds). What it checks, with THD packing (``use_remove_padding=True``) and BSHD
 * parameters, their ``main_grad`` (filled with a marker first, as mid-step), ``.grad`` and
   ``requires_grad`` are left exactly as found;
 * THD and BSHD agree.
-Tensor / sequence parallelism > 1 needs several GPUs and is not covered here (the CPU test
-``tests/engine/test_megatron_engine_on_cpu.py`` runs the same code on a simulated TP = 2 group).
+Tensor / sequence parallelism > 1 needs several GPUs and is not covered here (on the CPU,
+``tests/engine/test_megatron_real_on_cpu.py`` runs the same code on real megatron-core with TP = 2 and
+sequence parallelism in the padded layout, and ``tests/engine/test_megatron_engine_on_cpu.py`` the packed
+layout on a toy model on a simulated TP = 2 group).
 """
 
 from __future__ import annotations
