@@ -7,7 +7,8 @@ what it replaces and why; ``tests/engine/test_megatron_real_on_cpu.py`` checks t
 
 1. ``megatron.core.tensor_parallel.random``: the model-parallel RNG tracker keeps CUDA generator
    states (``model_parallel_cuda_manual_seed``, ``_get_cuda_rng_state``, ``_set_cuda_rng_state``);
-   attention and embedding dropout fork it even at p = 0. Routed to the CPU generator.
+   attention and embedding dropout fork it even at p = 0. Routed to the CPU generator (so with dropout
+   > 0 megatron warns "CPU RNG state changed within GPU RNG context": here they are one generator).
 2. ``torch.cuda.current_device``: the rotary embedding and many ``torch.empty(device=...)`` calls ask
    for the current CUDA device; on a CPU-only torch it raises. Answers ``"cpu"`` while no CUDA is
    available (only then: on a GPU machine torch's own function is kept).
@@ -19,7 +20,7 @@ what it replaces and why; ``tests/engine/test_megatron_real_on_cpu.py`` checks t
    megatron's own ``FusedLayerNorm`` sets it (their gradients are then all-reduced over the TP group).
 5. ``megatron.core.transformer.dot_product_attention.DotProductAttention.forward``: the local attention
    expects a [B, 1, S, S] boolean mask (True = masked) where verl's padded (BSHD) forward passes
-   [B, S] (True = a real token). A [B, S] mask becomes causal OR key-is-padding.
+   [B, S] (True = a real token). A [B, S] mask becomes key-is-padding, OR causal for causal attention.
 
 All patches are idempotent and applied only by :func:`apply_megatron_patches` (CPU mode); the packed
 (THD) layout is not among what runs: it needs TransformerEngine's attention (CUDA).
@@ -223,13 +224,17 @@ def _patch_attention_mask(module: Any) -> None:
     if getattr(original, _PATCHED_MARK, False):
         return
 
+    from megatron.core.transformer.enums import AttnMaskType
+
     @functools.wraps(original)
-    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, *args, **kwargs):
         if attention_mask is not None and attention_mask.dim() == 2:   # verl's BSHD [B, S]: True = a token
             s = attention_mask.shape[1]
-            causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=attention_mask.device), diagonal=1)
-            attention_mask = causal[None, None] | ~attention_mask.bool()[:, None, None, :]   # [B, 1, S, S]
-        return original(self, query, key, value, attention_mask, *args, **kwargs)
+            masked = ~attention_mask.bool()[:, None, None, :].expand(-1, 1, s, s)   # [B, 1, S, S]: padding keys
+            if (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal:
+                masked = masked | torch.ones(s, s, dtype=torch.bool, device=masked.device).triu(1)
+            attention_mask = masked
+        return original(self, query, key, value, attention_mask, attn_mask_type, *args, **kwargs)
 
     cls.forward = _mark(forward)
 

@@ -86,9 +86,9 @@ class MegatronLogits:
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.sequence_parallel = bool(self.gpt.config.sequence_parallel) and self.tp_size > 1
         self.thd = bool(engine.engine_config.use_remove_padding)
-        if self.thd and not torch.cuda.is_available():
+        if self.thd and next(self.gpt.parameters()).device.type == "cpu":
             raise ValueError(
-                "OAR importance on verl's Megatron engine without CUDA supports the padded (BSHD) layout only: "
+                "OAR importance on verl's Megatron engine on the CPU supports the padded (BSHD) layout only: "
                 "the packed (THD) layout needs TransformerEngine's attention, which needs CUDA. Set "
                 "actor_rollout_ref.model.use_remove_padding=False (and ref.model the same) to run on the CPU."
             )
