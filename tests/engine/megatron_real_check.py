@@ -4,8 +4,8 @@ Run by ``tests/engine/test_megatron_real_on_cpu.py`` (``python megatron_real_che
 the process group is process-global, so the ranks are fresh interpreters. In one spawn, for fp32 and
 bf16, three parallel layouts in turn: TP = 1 (data parallel 2: both ranks score the same batch), TP = 2
 and TP = 2 with sequence parallelism, each a fresh ``GPTModel`` (local layer spec, CPU initialisation,
-hidden 64, 2 layers, vocabulary 128) built from the same seed, so the weights are the same split
-differently. Through verl's own forward (``gptmodel_forward_model_engine``, padded BSHD layout):
+hidden 64, 2 layers, vocabulary 128; bf16 as ``params_dtype``, without verl's ``Float16Module``) built from
+the same seed, so the weights are the same split differently. Through verl's own forward (``gptmodel_forward_model_engine``, padded BSHD layout):
 OAR-G (``noisy_kl`` and ``loglik``, plain and fused with verl's log-prob pass) and OAR-P (exact,
 chunk). At TP = 1 rank 0 also computes the per-sequence references: ``core.gradient.gradient_importance``
 on each sequence alone, unpadded, and the plain OAR-P loop (``tests/_oar_p_reference.py``), and a plain
