@@ -4,10 +4,11 @@ Run by ``tests/engine/test_megatron_real_on_cpu.py`` (``python megatron_real_che
 the process group is process-global, so the ranks are fresh interpreters. In one spawn, for fp32 and
 bf16, three parallel layouts in turn: TP = 1 (data parallel 2: both ranks score the same batch), TP = 2
 and TP = 2 with sequence parallelism, each a fresh ``GPTModel`` (local layer spec, CPU initialisation,
-hidden 64, 2 layers, vocabulary 128; bf16 as ``params_dtype``, without verl's ``Float16Module``) built from
-the same seed, so the weights are the same split differently. Through verl's own forward (``gptmodel_forward_model_engine``, padded BSHD layout):
-OAR-G (``noisy_kl`` and ``loglik``, plain and fused with verl's log-prob pass) and OAR-P (exact,
-chunk). At TP = 1 rank 0 also computes the per-sequence references: ``core.gradient.gradient_importance``
+hidden 64, 2 layers, vocabulary 128; bf16 as ``params_dtype``, without verl's ``Float16Module``) built
+from the same seed, so the weights are the same split differently. Through verl's own forward
+(``gptmodel_forward_model_engine``, padded BSHD layout): OAR-G (``noisy_kl`` and ``loglik``, plain and
+fused with verl's log-prob pass) and OAR-P (exact, chunk). First, on both ranks, each CPU patch's probe
+before and after it is applied (``probes_rank{r}.pt``), and the packed layout's refusal. At TP = 1 rank 0 also computes the per-sequence references: ``core.gradient.gradient_importance``
 on each sequence alone, unpadded, and the plain OAR-P loop (``tests/_oar_p_reference.py``), and a plain
 log-softmax / entropy for the fused pass. Each rank writes ``{dtype}_{layout}_rank{r}.pt``.
 
@@ -278,7 +279,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     import verl  # noqa: F401  (the plugin registers the cpu platform)
 
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    torch.save(patch_probes(), os.path.join(out_dir, f"probes_rank{rank}.json"))
+    torch.save(patch_probes(), os.path.join(out_dir, f"probes_rank{rank}.pt"))
     from verl_oar.cpu.megatron_patches import apply_megatron_patches
 
     apply_megatron_patches()   # again: idempotent

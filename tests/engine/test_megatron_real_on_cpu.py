@@ -59,7 +59,7 @@ def results(tmp_path_factory):
     logs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [log[1][-4000:] for log in logs]
     return {
-        "probes": [torch.load(out / f"probes_rank{r}.json") for r in range(2)],
+        "probes": [torch.load(out / f"probes_rank{r}.pt") for r in range(2)],
         **{(dtype, layout, r): torch.load(out / f"{dtype}_{layout}_rank{r}.pt")
            for dtype in ("fp32", "bf16") for layout in LAYOUTS for r in range(2)},
     }
