@@ -7,7 +7,8 @@ chunks; one, since virtual pipeline stages are refused), ``verl.models.mcore.get
 pass is also verl's old-log-prob pass, ``engine._lm_head_logits_processor`` (verl's own log-prob /
 entropy computation); checked against verl 0.9.1 by reading, and on a GPU by ``tests/gpu``.
 
-Megatron facts this relies on (megatron-core's ``GPTModel``, read, not run here):
+Megatron facts this relies on (megatron-core's ``GPTModel``; checked on megatron-core 0.16.1 on the CPU, padded
+layout, TP = 1 / 2 with and without sequence parallelism, by ``tests/engine/test_megatron_real_on_cpu.py``):
 
 * ``GPTModel.embedding`` (``LanguageModelEmbedding``) returns [S, B, H]; with sequence
   parallelism it scatters inside the module, so a forward hook sees TP rank r's rows
