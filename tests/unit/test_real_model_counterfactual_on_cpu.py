@@ -262,3 +262,22 @@ def test_the_benchmarks_collection_counts_every_response_and_renders_the_docs_ta
     assert text.count("\n| OAR-P exact |") == 2 and "| top 10%, entropy |" in text
     bench.figure(got, tmp_path / "figure.png")
     assert (tmp_path / "figure.png").stat().st_size > 10_000
+
+
+def test_the_docs_quote_the_committed_results():
+    """docs/real-model.md's counterfactual tables are what ``real_model_counterfactual.py --table`` renders from the
+    committed results, which cover every scored response and worked solution of the committed store."""
+    import json
+    from pathlib import Path
+
+    from _benchmarks import load_benchmark
+
+    root = Path(__file__).resolve().parents[2]
+    bench = load_benchmark("real_model_counterfactual")
+    results = json.loads((root / "benchmarks" / "results_real_model_counterfactual_cpu.json").read_text())
+    assert bench.tables(results) in (root / "docs" / "real-model.md").read_text()
+    store = root / "benchmarks" / "real_model_counterfactual"
+    kept = [line for line in (store / "responses.jsonl").read_text().splitlines() if line.strip()]
+    scored = [line for line in (store / "scores.jsonl").read_text().splitlines() if line.strip()]
+    assert results["responses"]["scored"] == len(scored) == len(kept) >= 100  # every kept response, none dropped
+    assert results["worked"]["problems"] == 60
