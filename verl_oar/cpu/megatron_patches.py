@@ -104,8 +104,9 @@ def _mark(fn: Any) -> Any:
 # 1. RNG tracker ---------------------------------------------------------------------------------
 
 
-def _patch_rng_tracker(module: Any) -> None:
-    if getattr(module.model_parallel_cuda_manual_seed, _PATCHED_MARK, False):
+def _patch_rng_tracker(random: Any) -> None:
+    # ``random``: megatron.core.tensor_parallel.random (its private names are megatron-core's, not verl's)
+    if getattr(random.model_parallel_cuda_manual_seed, _PATCHED_MARK, False):
         return
 
     def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -114,7 +115,7 @@ def _patch_rng_tracker(module: Any) -> None:
     def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
         torch.set_rng_state(new_state)
 
-    original = module.model_parallel_cuda_manual_seed
+    original = random.model_parallel_cuda_manual_seed
 
     @functools.wraps(original)
     def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
@@ -128,15 +129,15 @@ def _patch_rng_tracker(module: Any) -> None:
         tp_rank = mpu.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
         ep_rank = mpu.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
         etp_rank = mpu.get_expert_tensor_parallel_rank() if etp_rank is None else etp_rank
-        module.initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng,
+        random.initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng,
                                       force_reset=force_reset_rng)
-        tracker = module.get_cuda_rng_tracker()
+        tracker = random.get_cuda_rng_tracker()
         tracker.reset()
         torch.manual_seed(seed)
         seeds = {
-            module._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
-            module._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + 2718 + tp_rank,
-            module._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + 1024 + 100 * ep_rank + etp_rank,
+            random._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
+            random._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + 2718 + tp_rank,
+            random._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + 1024 + 100 * ep_rank + etp_rank,
         }
         tracker._is_initialized = True
         for name, value in seeds.items():
@@ -146,9 +147,9 @@ def _patch_rng_tracker(module: Any) -> None:
             tracker.states_[name] = torch.get_rng_state()
             torch.set_rng_state(orig)
 
-    module._get_cuda_rng_state = _mark(_get_cuda_rng_state)
-    module._set_cuda_rng_state = _mark(_set_cuda_rng_state)
-    module.model_parallel_cuda_manual_seed = _mark(model_parallel_cuda_manual_seed)
+    random._get_cuda_rng_state = _mark(_get_cuda_rng_state)
+    random._set_cuda_rng_state = _mark(_set_cuda_rng_state)
+    random.model_parallel_cuda_manual_seed = _mark(model_parallel_cuda_manual_seed)
     tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
     if getattr(tensor_parallel, "model_parallel_cuda_manual_seed", None) is original:
         tensor_parallel.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
