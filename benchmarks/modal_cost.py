@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from privileged_cost import _one_rank_env, _parameters, build_model_dir, build_worker, rollout, round_robin  # noqa: E402
+from engine_worker import build_worker  # noqa: E402
+from privileged_cost import _one_rank_env, _parameters, build_model_dir, rollout, round_robin  # noqa: E402
 
 
 def main(argv=None) -> None:

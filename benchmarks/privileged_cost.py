@@ -48,6 +48,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_worker import build_worker  # noqa: E402  (the benchmarks' one engine worker)
+
 
 def _one_rank_env() -> None:
     with socket.socket() as s:
@@ -78,41 +81,6 @@ def build_model_dir(root: Path, name: str, hidden: int, layers: int, seed: int, 
     Qwen2ForCausalLM(config).save_pretrained(root / name)
     tokenizer.save_pretrained(root / name)
     return root / name
-
-
-def build_worker(model_dir: Path, rows: int, max_len: int, teacher_dir: Path | None):
-    """verl's engine worker (the plugin's subclass, as the trainer runs it), FSDP2, fp32, one rank, one
-    sequence per log-prob micro-batch; with ``teacher_dir``, OPPO's teacher beside the actor."""
-    import verl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from verl_oar.integration.worker import OARActorRolloutRefWorker
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
-                               version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=[
-            "algorithm.adv_estimator=cscr", f"actor_rollout_ref.model.path={model_dir}",
-            "actor_rollout_ref.model.use_remove_padding=True",
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            "actor_rollout_ref.actor.strategy=fsdp2",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-            "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={rows}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.actor.use_dynamic_bsz=False", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_len}",
-            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
-            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={max_len}",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.rollout.name=hf", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
-        ] + ([] if teacher_dir is None else [
-            # OPPO's teacher, built with the reference model's engine settings (one sequence per micro-batch, fp32)
-            f"+actor_rollout_ref.oar_teacher.path={teacher_dir}", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
-            "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-        ]))
-    worker = OARActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
-    worker.init_model()
-    return worker
 
 
 def rollout(tokenizer, rows: int, prompt_chars: int, mean_response: int, seed: int):

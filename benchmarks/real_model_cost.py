@@ -4,7 +4,7 @@
     python benchmarks/real_model_cost.py [--sizes 8x512,8x1024] [--rounds 3] [--out FILE]
 
 Per size, one process (``OMP_NUM_THREADS``, default 2: the whole machine) builds the plugin's worker as the trainer
-does (the settings of ``build_worker`` in the privileged-cost benchmark, but verl's dynamic batch size with
+does (``engine_worker.build_worker``, the privileged-cost benchmark's settings but verl's dynamic batch size with
 ``log_prob_max_token_len_per_gpu=8192``, so 8 x 1024 tokens is one micro-batch, as a GPU recipe's budget holds it)
 and times, after one warm-up of each, ``--rounds`` round-robin rounds of:
 
@@ -92,83 +92,30 @@ def texts(tokenizer, rows: int, tokens: int) -> tuple[list[str], list[str]]:
     return prompts, responses
 
 
-def build_worker(model_dir: Path, rows: int, max_len: int):
-    """The plugin's worker on verl's FSDP2 engine, fp32, one rank, dynamic batch size at ``max_len`` tokens."""
-    import verl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from verl_oar.integration.worker import OARActorRolloutRefWorker
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
-                               version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=[
-            "algorithm.adv_estimator=oar_g", f"actor_rollout_ref.model.path={model_dir}",
-            "actor_rollout_ref.model.use_remove_padding=True",
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            "actor_rollout_ref.actor.strategy=fsdp2",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-            "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={rows}", "actor_rollout_ref.actor.use_dynamic_bsz=True",
-            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max_len}",
-            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
-            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={max_len}",
-            "actor_rollout_ref.rollout.name=hf", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
-        ])
-    worker = OARActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
-    worker.init_model()
-    return worker
-
-
-def _batch(tokenizer, prompts, responses, mark: str | None):
-    """verl's rows for the worker; ``mark``: None (log-probs), "fused", "gradient" or "perturbation"."""
-    import torch
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-
-    from verl_oar.core.config import OARConfig
-
-    p = [torch.tensor(tokenizer.encode(x), dtype=torch.long) for x in prompts]
-    r = [torch.tensor(tokenizer.encode(x) + [tokenizer.eos_token_id], dtype=torch.long) for x in responses]
-    ids = [torch.cat([a, b]) for a, b in zip(p, r)]
-    nested = lambda rows: torch.nested.as_nested_tensor(rows, layout=torch.jagged)  # noqa: E731
-    data = TensorDict({
-        "prompts": nested(p), "responses": nested(r), "response_mask": nested([torch.ones_like(x) for x in r]),
-        "loss_mask": nested([torch.ones_like(x) for x in r]), "input_ids": nested(ids),
-        "position_ids": nested([torch.arange(len(x)) for x in ids]),
-        "attention_mask": nested([torch.ones_like(x) for x in ids]),
-    }, batch_size=[len(p)])
-    tu.assign_non_tensor(data, temperature=1.0)
-    oar = OARConfig().to_dict()
-    if mark in (None, "fused"):
-        tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False)
-    if mark == "fused":
-        tu.assign_non_tensor(data, oar_config=oar, oar_step=1, oar_fused=True, oar_method="gradient")
-    elif mark is not None:
-        tu.assign_non_tensor(data, oar_config=oar, oar_step=1, oar_method=mark)
-    return data, [len(x) for x in ids], [len(x) for x in r]
-
-
 def run_cell(size: str, rounds: int, model_dir: str) -> dict:
     os.environ.update(VERL_PLATFORM="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     import torch
+    from engine_worker import build_worker, text_rows
     from transformers import AutoTokenizer
+
+    from verl_oar.core.config import OARConfig
 
     rows, tokens = (int(x) for x in size.split("x"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts, responses = texts(tokenizer, rows, tokens)
-    worker = build_worker(Path(model_dir), rows, 8192)
+    worker = build_worker(Path(model_dir), rows, 8192, dynamic_bsz=True)
+    oar = OARConfig().to_dict()
+    batch = lambda **mark: text_rows(tokenizer, prompts, responses, **mark)  # noqa: E731
     calls = {
-        UNIT: lambda: worker.compute_log_prob(_batch(tokenizer, prompts, responses, None)[0]),
-        "OAR-G, fused": lambda: worker.compute_log_prob(_batch(tokenizer, prompts, responses, "fused")[0]),
-        "OAR-G, own pass": lambda: worker.compute_token_importance(
-            _batch(tokenizer, prompts, responses, "gradient")[0]),
-        "OAR-P chunk K=16": lambda: worker.compute_token_importance(
-            _batch(tokenizer, prompts, responses, "perturbation")[0]),
+        UNIT: lambda: worker.compute_log_prob(batch()),
+        "OAR-G, fused": lambda: worker.compute_log_prob(batch(oar=oar, method="gradient", fused=True)),
+        "OAR-G, own pass": lambda: worker.compute_token_importance(batch(oar=oar, method="gradient")),
+        "OAR-P chunk K=16": lambda: worker.compute_token_importance(batch(oar=oar, method="perturbation")),
     }
-    _, lengths, response_lengths = _batch(tokenizer, prompts, responses, None)
+    sample = batch()
+    lengths = [len(x) for x in sample["input_ids"].unbind()]
+    response_lengths = [len(x) for x in sample["responses"].unbind()]
     checks = {}
     for name, call in calls.items():  # warm-up, and the output checked once: every row's answer found, importance set
         out = call()

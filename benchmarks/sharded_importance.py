@@ -61,41 +61,18 @@ def _responses(rank: int, rows: int, mean_response: int) -> tuple[list[str], lis
     return prompts, responses
 
 
-def _batch(tokenizer, prompts: list[str], responses: list[str], oar: dict | None, method: str | None):
-    import torch
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-
-    p = [torch.tensor(tokenizer.encode(x), dtype=torch.long) for x in prompts]
-    r = [torch.tensor(tokenizer.encode(x) + [tokenizer.eos_token_id], dtype=torch.long) for x in responses]
-    ids = [torch.cat([a, b]) for a, b in zip(p, r)]
-    nested = lambda rows: torch.nested.as_nested_tensor(rows, layout=torch.jagged)  # noqa: E731
-    data = TensorDict({
-        "prompts": nested(p), "responses": nested(r), "response_mask": nested([torch.ones_like(x) for x in r]),
-        "loss_mask": nested([torch.ones_like(x) for x in r]), "input_ids": nested(ids),
-        "position_ids": nested([torch.arange(len(x)) for x in ids]),
-        "attention_mask": nested([torch.ones_like(x) for x in ids]),
-    }, batch_size=[len(p)])
-    tu.assign_non_tensor(data, temperature=1.0)
-    if oar is None:
-        tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False)
-    else:
-        tu.assign_non_tensor(data, oar_config=oar, oar_step=1, oar_method=method)
-    return data
-
-
 def run_rank(args, rank: int, port: str, model_dir: str) -> None:
     os.environ.update(VERL_PLATFORM="cpu", RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     sys.path.insert(0, str(Path(__file__).parent))
     import torch
     import torch.distributed as dist
-    from privileged_cost import build_worker
+    from engine_worker import build_worker, text_rows
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts, responses = _responses(rank, args.rows, args.mean_response)
-    worker = build_worker(Path(model_dir), args.rows, 8192, None)
+    worker = build_worker(Path(model_dir), args.rows, 8192)
     engine = worker.actor.engine
     forwards, gathers = [0], [0]
     engine.module.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -111,15 +88,15 @@ def run_rank(args, rank: int, port: str, model_dir: str) -> None:
     g_oar = {"objective": "noisy_kl", "saliency": "grad_x_input", "outcome": "mean"}
     p_name, g_name = f"OAR-P chunk K={args.budget}", "OAR-G noisy_kl"
     timers = {
-        "old-log-prob pass": lambda: worker.compute_log_prob(_batch(tokenizer, prompts, responses, None, None)),
+        "old-log-prob pass": lambda: worker.compute_log_prob(text_rows(tokenizer, prompts, responses)),
         f"{p_name}, sharded": lambda: worker.compute_token_importance(
-            _batch(tokenizer, prompts, responses, p_oar, "perturbation")),
+            text_rows(tokenizer, prompts, responses, p_oar, "perturbation")),
         f"{p_name}, gathered": lambda: worker.compute_token_importance(
-            _batch(tokenizer, prompts, responses, {**p_oar, "gather_params": True}, "perturbation")),
+            text_rows(tokenizer, prompts, responses, {**p_oar, "gather_params": True}, "perturbation")),
         f"{g_name}, sharded": lambda: worker.compute_token_importance(
-            _batch(tokenizer, prompts, responses, g_oar, "gradient")),
+            text_rows(tokenizer, prompts, responses, g_oar, "gradient")),
         f"{g_name}, gathered": lambda: worker.compute_token_importance(
-            _batch(tokenizer, prompts, responses, {**g_oar, "gather_params": True}, "gradient")),
+            text_rows(tokenizer, prompts, responses, {**g_oar, "gather_params": True}, "gradient")),
     }
     counts: dict = {}
 
