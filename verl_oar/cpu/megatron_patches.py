@@ -30,75 +30,38 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from verl_oar.cpu.patch import Patch, apply_patches, is_marked, mark
+
 SUPPORTED_MEGATRON_SERIES = "0.16."
 """megatron-core versions these patches were written for (prefix of ``megatron.core.__version__``)."""
-
-_PATCHED_MARK = "__verl_oar_cpu_patch__"
 
 
 class MegatronPatchError(RuntimeError):
     """A megatron-core internal that CPU mode patches is missing or has changed."""
 
 
-@dataclass(frozen=True)
-class MegatronPatch:
-    """One monkeypatch: the attribute it replaces and why."""
+class MegatronPatch(Patch):
+    """One monkeypatch of megatron-core (:class:`~verl_oar.cpu.patch.Patch`)."""
 
-    name: str
-    """short identifier used in tests and error messages"""
-    module: str
-    """the module that holds the attribute"""
-    attribute: str
-    """the attribute that is replaced (dotted for a class attribute: ``Class.method``)"""
-    why: str
-    """one sentence: what breaks on CPU without it"""
-    apply: Callable[[Any], None]
-    """applies the patch to the imported module; must be idempotent"""
+    library = "megatron-core"
+    series = SUPPORTED_MEGATRON_SERIES
+    error = MegatronPatchError
+    source = "verl_oar/cpu/megatron_patches.py"
 
-    def target(self) -> Any:
-        """Import the module and return the attribute, or raise ``MegatronPatchError`` naming it."""
-        check_megatron_version()
-        try:
-            obj = importlib.import_module(self.module)
-        except ImportError as exc:
-            raise MegatronPatchError(f"verl-oar cpu patch {self.name!r}: cannot import {self.module}: {exc}") from exc
-        for part in self.attribute.split("."):
-            if not hasattr(obj, part):
-                raise MegatronPatchError(
-                    f"verl-oar cpu patch {self.name!r}: {self.module}.{self.attribute} not found in this "
-                    f"megatron-core (patch written for megatron-core {SUPPORTED_MEGATRON_SERIES}x). "
-                    f"Why it is needed: {self.why}"
-                )
-            obj = getattr(obj, part)
-        return obj
+    @staticmethod
+    def installed_version() -> str:
+        from megatron.core import package_info
 
-    def applied(self) -> bool:
-        """Whether the patch is in effect in this process."""
-        return bool(getattr(self.target(), _PATCHED_MARK, False))
+        return package_info.__version__
 
 
 def check_megatron_version() -> str:
     """Return megatron-core's version; raise ``MegatronPatchError`` unless it is a 0.16.x release."""
-    from megatron.core import package_info
-
-    version = package_info.__version__
-    if not version.startswith(SUPPORTED_MEGATRON_SERIES):
-        raise MegatronPatchError(
-            f"verl-oar cpu mode patches megatron-core internals written for megatron-core "
-            f"{SUPPORTED_MEGATRON_SERIES}x; found {version}. Check verl_oar/cpu/megatron_patches.py against it."
-        )
-    return version
-
-
-def _mark(fn: Any) -> Any:
-    setattr(fn, _PATCHED_MARK, True)
-    return fn
+    return MegatronPatch.check_version()
 
 
 # 1. RNG tracker ---------------------------------------------------------------------------------
@@ -106,7 +69,7 @@ def _mark(fn: Any) -> Any:
 
 def _patch_rng_tracker(random: Any) -> None:
     # ``random``: megatron.core.tensor_parallel.random (its private names are megatron-core's, not verl's)
-    if getattr(random.model_parallel_cuda_manual_seed, _PATCHED_MARK, False):
+    if is_marked(random.model_parallel_cuda_manual_seed):
         return
 
     def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -147,9 +110,9 @@ def _patch_rng_tracker(random: Any) -> None:
             tracker.states_[name] = torch.get_rng_state()
             torch.set_rng_state(orig)
 
-    random._get_cuda_rng_state = _mark(_get_cuda_rng_state)
-    random._set_cuda_rng_state = _mark(_set_cuda_rng_state)
-    random.model_parallel_cuda_manual_seed = _mark(model_parallel_cuda_manual_seed)
+    random._get_cuda_rng_state = mark(_get_cuda_rng_state)
+    random._set_cuda_rng_state = mark(_set_cuda_rng_state)
+    random.model_parallel_cuda_manual_seed = mark(model_parallel_cuda_manual_seed)
     tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
     if getattr(tensor_parallel, "model_parallel_cuda_manual_seed", None) is original:
         tensor_parallel.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
@@ -160,14 +123,14 @@ def _patch_rng_tracker(random: Any) -> None:
 
 def _patch_current_device(module: Any) -> None:
     original = module.current_device
-    if getattr(original, _PATCHED_MARK, False):
+    if is_marked(original):
         return
 
     @functools.wraps(original)
     def current_device():
         return original() if module.is_available() else "cpu"
 
-    module.current_device = _mark(current_device)
+    module.current_device = mark(current_device)
 
 
 # 3. the causal mask -------------------------------------------------------------------------------
@@ -175,7 +138,7 @@ def _patch_current_device(module: Any) -> None:
 
 def _patch_causal_mask(module: Any) -> None:
     original = module.get_default_causal_mask
-    if getattr(original, _PATCHED_MARK, False):
+    if is_marked(original):
         return
 
     @functools.lru_cache(maxsize=8)
@@ -186,7 +149,7 @@ def _patch_causal_mask(module: Any) -> None:
     def get_default_causal_mask(sq: int) -> torch.Tensor:
         return original(sq) if torch.cuda.is_available() else cpu_causal_mask(sq)
 
-    module.get_default_causal_mask = _mark(get_default_causal_mask)
+    module.get_default_causal_mask = mark(get_default_causal_mask)
     fused_softmax = importlib.import_module("megatron.core.fusions.fused_softmax")
     if fused_softmax.get_default_causal_mask is original:
         fused_softmax.get_default_causal_mask = get_default_causal_mask
@@ -198,7 +161,7 @@ def _patch_causal_mask(module: Any) -> None:
 def _patch_torch_norm(module: Any) -> None:
     cls = module.WrappedTorchNorm
     original = cls.__dict__["__new__"]
-    if getattr(original, _PATCHED_MARK, False):
+    if is_marked(original):
         return
 
     def __new__(klass, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
@@ -213,7 +176,7 @@ def _patch_torch_norm(module: Any) -> None:
             setattr(param, "sequence_parallel", sequence_parallel)
         return norm
 
-    cls.__new__ = _mark(__new__)
+    cls.__new__ = mark(__new__)
 
 
 # 5. the attention mask of the padded layout -------------------------------------------------------
@@ -222,7 +185,7 @@ def _patch_torch_norm(module: Any) -> None:
 def _patch_attention_mask(module: Any) -> None:
     cls = module.DotProductAttention
     original = cls.forward
-    if getattr(original, _PATCHED_MARK, False):
+    if is_marked(original):
         return
 
     from megatron.core.transformer.enums import AttnMaskType
@@ -237,7 +200,7 @@ def _patch_attention_mask(module: Any) -> None:
             attention_mask = masked
         return original(self, query, key, value, attention_mask, attn_mask_type, *args, **kwargs)
 
-    cls.forward = _mark(forward)
+    cls.forward = mark(forward)
 
 
 PATCHES: tuple[MegatronPatch, ...] = (
@@ -281,9 +244,7 @@ PATCHES: tuple[MegatronPatch, ...] = (
 
 def apply_megatron_patches() -> None:
     """Apply every patch in ``PATCHES`` (idempotent); raise ``MegatronPatchError`` if one cannot apply."""
-    for patch in PATCHES:
-        patch.target()
-        patch.apply(importlib.import_module(patch.module))
+    apply_patches(PATCHES)
 
 
 def patches_applied() -> dict[str, bool]:

@@ -25,10 +25,9 @@ patch is skipped (the rollout is then registered through ``register_rollout_clas
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+from verl_oar.cpu.patch import Patch, apply_patches, is_marked, mark
 
 SUPPORTED_VERL_SERIES = "0.9."
 """verl versions these patches were written for (prefix of ``verl.__version__``)."""
@@ -36,69 +35,30 @@ SUPPORTED_VERL_SERIES = "0.9."
 HF_ROLLOUT_KEY = ("hf", "async")
 HF_SERVER_ADAPTER_FQN = "verl_oar.cpu.hf_rollout.HFServerAdapter"
 
-_PATCHED_MARK = "__verl_oar_cpu_patch__"
-
 
 class VerlPatchError(RuntimeError):
     """A verl internal that CPU mode patches is missing or has changed."""
 
 
-@dataclass(frozen=True)
-class VerlPatch:
-    """One monkeypatch: the verl attribute it replaces and why."""
+class VerlPatch(Patch):
+    """One monkeypatch of verl (:class:`~verl_oar.cpu.patch.Patch`), with the public verl API of verl-oar's
+    upstream series that makes it unnecessary."""
 
-    name: str
-    """short identifier used in tests and error messages"""
-    module: str
-    """the verl module that holds the attribute"""
-    attribute: str
-    """the attribute (function or table) that is replaced or extended"""
-    why: str
-    """one sentence: what breaks on CPU without it"""
-    apply: Callable[[Any], None]
-    """applies the patch to the imported module; must be idempotent"""
-    upstream: tuple[str, str] | None = None
-    """(module, attribute) of the public verl API, added by verl-oar's upstream series, that makes
-    this patch unnecessary"""
-    use_upstream: Callable[[Any], None] | None = None
-    """called with that API instead of ``apply`` when this verl has it; None: nothing to do"""
+    library = "verl"
+    series = SUPPORTED_VERL_SERIES
+    error = VerlPatchError
+    source = "verl_oar/cpu/verl_patches.py"
 
-    def upstream_fix(self) -> Any:
-        """The public verl API that makes this patch unnecessary, or None when this verl lacks it."""
-        if self.upstream is None:
-            return None
-        try:
-            module = importlib.import_module(self.upstream[0])
-        except ImportError:
-            return None
-        return getattr(module, self.upstream[1], None)
+    @staticmethod
+    def installed_version() -> str:
+        import verl
 
-    def target(self) -> Any:
-        """Import the module and return the attribute, or raise ``VerlPatchError`` naming it."""
-        check_verl_version()
-        try:
-            module = importlib.import_module(self.module)
-        except ImportError as exc:
-            raise VerlPatchError(f"verl-oar cpu patch {self.name!r}: cannot import {self.module}: {exc}") from exc
-        if not hasattr(module, self.attribute):
-            raise VerlPatchError(
-                f"verl-oar cpu patch {self.name!r}: {self.module}.{self.attribute} not found in this verl "
-                f"(patch written for verl {SUPPORTED_VERL_SERIES}x). Why it is needed: {self.why}"
-            )
-        return getattr(module, self.attribute)
+        return getattr(verl, "__version__", "unknown")
 
 
 def check_verl_version() -> str:
     """Return ``verl.__version__``; raise ``VerlPatchError`` unless it is a 0.9.x release."""
-    import verl
-
-    version = getattr(verl, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VERL_SERIES):
-        raise VerlPatchError(
-            f"verl-oar cpu mode patches verl internals written for verl {SUPPORTED_VERL_SERIES}x; "
-            f"found verl {version}. Check verl_oar/cpu/verl_patches.py against this verl before using it."
-        )
-    return version
+    return VerlPatch.check_version()
 
 
 def dedup_backend(backend: str) -> str:
@@ -114,7 +74,7 @@ def dedup_backend(backend: str) -> str:
 
 def _patch_process_group_backend(module: Any) -> None:
     original = module.initialize_global_process_group_ray
-    if getattr(original, _PATCHED_MARK, False):
+    if is_marked(original):
         return
 
     @functools.wraps(original)
@@ -123,8 +83,7 @@ def _patch_process_group_backend(module: Any) -> None:
             backend = f"cpu:gloo,{module.get_device_name()}:{module.get_nccl_backend()}"
         return original(timeout_second=timeout_second, backend=dedup_backend(backend))
 
-    setattr(initialize_global_process_group_ray, _PATCHED_MARK, True)
-    module.initialize_global_process_group_ray = initialize_global_process_group_ray
+    module.initialize_global_process_group_ray = mark(initialize_global_process_group_ray)
     # modules that did `from verl.utils.distributed import initialize_global_process_group_ray`
     # before this patch ran hold the original; rebind them (normally none are imported yet)
     import sys
@@ -160,7 +119,7 @@ def _patch_offload_pin_memory(module: Any) -> None:
     original = module.CPUOffloadPolicy
     if original is None:
         raise VerlPatchError("verl's FSDP engine found no torch CPUOffloadPolicy (torch < 2.4?)")
-    if getattr(original, _PATCHED_MARK, False):
+    if is_marked(original):
         return
 
     class UnpinnedCPUOffloadPolicy(original):
@@ -169,8 +128,7 @@ def _patch_offload_pin_memory(module: Any) -> None:
         def __init__(self, pin_memory: bool = False):
             super().__init__(pin_memory=False)
 
-    setattr(UnpinnedCPUOffloadPolicy, _PATCHED_MARK, True)
-    module.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
+    module.CPUOffloadPolicy = mark(UnpinnedCPUOffloadPolicy)
 
 
 PATCHES: tuple[VerlPatch, ...] = (
@@ -205,14 +163,7 @@ PATCHES: tuple[VerlPatch, ...] = (
 def apply_verl_patches() -> None:
     """Apply every patch in ``PATCHES`` that this verl still needs (idempotent); raise ``VerlPatchError``
     if one cannot apply."""
-    for patch in PATCHES:
-        fix = patch.upstream_fix()
-        if fix is not None:  # this verl fixed it publicly: no monkeypatch
-            if patch.use_upstream is not None:
-                patch.use_upstream(fix)
-            continue
-        patch.target()
-        patch.apply(importlib.import_module(patch.module))
+    apply_patches(PATCHES)
 
 
 def patches_applied() -> dict[str, bool]:
@@ -222,8 +173,8 @@ def patches_applied() -> dict[str, bool]:
     from verl.utils import distributed
 
     return {
-        "fsdp2_offload_without_pinning": bool(getattr(fsdp_impl.CPUOffloadPolicy, _PATCHED_MARK, False)),
-        "process_group_backend": bool(getattr(distributed.initialize_global_process_group_ray, _PATCHED_MARK, False)),
+        "fsdp2_offload_without_pinning": is_marked(fsdp_impl.CPUOffloadPolicy),
+        "process_group_backend": is_marked(distributed.initialize_global_process_group_ray),
         "hf_rollout_adapter": rollout_base._ROLLOUT_REGISTRY.get(HF_ROLLOUT_KEY) == HF_SERVER_ADAPTER_FQN
         and not hasattr(rollout_base, "register_rollout_class"),
     }
