@@ -23,13 +23,12 @@ A response whose scores are all 0 (mean 0) keeps weight 1. Computed in float64, 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from verl_oar.core.config import algorithm_node
+from verl_oar.core.config import NodeConfig
 
 __all__ = ["ACPOConfig", "ACPOResult", "SURROGATES", "acpo_advantages", "acpo_stats", "acpo_weights", "entropy_bounds"]
 
@@ -38,8 +37,11 @@ SURROGATES = ("modal", "sampled", "shannon")
 
 
 @dataclass(frozen=True)
-class ACPOConfig:
+class ACPOConfig(NodeConfig):
     """Everything ACPO's advantage reads from ``algorithm.acpo`` (docs/algo/acpo.md; all [GUESS])."""
+
+    NODE = "acpo"
+    DOCS = "docs/algo/acpo.md"
 
     surrogate: str = "modal"
     """[GUESS] H~: ``modal`` -log p_max (the abstract's "mode-local surrogate", computed inside verl's
@@ -55,27 +57,14 @@ class ACPOConfig:
     """[GUESS] rescale the clipped weights to mean 1 again (exact budget; may push a weight past the clip)"""
 
     def __post_init__(self) -> None:
-        if self.surrogate not in SURROGATES:
-            raise ValueError(f"algorithm.acpo.surrogate={self.surrogate!r} is invalid: one of {SURROGATES}.")
-        for key in ("beta", "w_min", "w_max"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"algorithm.acpo.{key}={value!r} is invalid: a finite number.")
+        self.check_choice("surrogate", SURROGATES)
+        self.check_finite("beta", "w_min", "w_max")
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"algorithm.acpo.beta={self.beta} is invalid: in [0, 1] (0 = plain GRPO).")
         if not 0.0 < self.w_min <= 1.0 <= self.w_max:
             raise ValueError(f"algorithm.acpo.w_min={self.w_min}, w_max={self.w_max} are invalid: need "
                              "0 < w_min <= 1 <= w_max (a positive floor keeps every token's sign).")
-        if not isinstance(self.renormalize, bool):
-            raise ValueError(f"algorithm.acpo.renormalize={self.renormalize!r} is invalid: true or false.")
-
-    @classmethod
-    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "ACPOConfig":
-        """Read ``algorithm.acpo`` (DictConfig or dict); unknown keys are refused with the valid ones."""
-        return cls(**algorithm_node(algorithm, "acpo", cls, "docs/algo/acpo.md"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        self.check_flags("renormalize")
 
 
 @dataclass(frozen=True)

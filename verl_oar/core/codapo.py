@@ -22,21 +22,24 @@ GRPO group. ``compose``: the value multiplies another token-level estimator's ad
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from verl_oar.core.config import algorithm_node
+from verl_oar.core.config import NodeConfig
 from verl_oar.core.reshape import linear_quantile
 
 __all__ = ["CoDaPOConfig", "codapo_stats", "question_values", "refocused_order", "right_answers", "select_questions"]
 
 
 @dataclass(frozen=True)
-class CoDaPOConfig:
+class CoDaPOConfig(NodeConfig):
     """Everything CoDaPO reads from ``algorithm.codapo`` (the authors' defaults, docs/algo/codapo.md)."""
+
+    NODE = "codapo"
+    DOCS = "docs/algo/codapo.md"
 
     weight_offset: float = 0.1
     """added to every question's value: the least weight a question gets (authors: 0.1)"""
@@ -52,10 +55,7 @@ class CoDaPOConfig:
     """a response is right when its reward is >= this; None: exactly 1.0 (authors), rewards checked to be 0/1-like"""
 
     def __post_init__(self) -> None:
-        for key in ("weight_offset", "percentile"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"algorithm.codapo.{key}={value!r} is invalid: a finite number.")
+        self.check_finite("weight_offset", "percentile")
         if self.weight_offset < 0:
             raise ValueError(f"algorithm.codapo.weight_offset={self.weight_offset} is invalid: >= 0 (authors: 0.1).")
         if not 0.0 <= self.percentile < 1.0:
@@ -67,17 +67,7 @@ class CoDaPOConfig:
                                       or not math.isfinite(threshold)):
             raise ValueError(f"algorithm.codapo.right_threshold={threshold!r} is invalid: a finite number (the least "
                              "reward of a right answer), or null for the authors' rule (exactly 1.0).")
-        for key in ("sampling", "compose"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"algorithm.codapo.{key}={getattr(self, key)!r} is invalid: true or false.")
-
-    @classmethod
-    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "CoDaPOConfig":
-        """Read ``algorithm.codapo`` (DictConfig or dict); unknown keys are refused with the valid ones."""
-        return cls(**algorithm_node(algorithm, "codapo", cls, "docs/algo/codapo.md"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        self.check_flags("sampling", "compose")
 
 
 def right_answers(rewards: Tensor, right_threshold: float | None = None) -> Tensor:

@@ -11,8 +11,9 @@ Every key is optional; a key that is not a field below is refused with the list 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, TypeVar
 
 from verl_oar.core.gradient import GradientConfig
 from verl_oar.core.perturbation import PerturbationConfig
@@ -31,10 +32,11 @@ def algorithm_node(algorithm: Mapping[str, Any] | None, node: str, cls: type, do
     return raw
 
 
-def node_problems(algorithm: Mapping[str, Any] | None, node: str, cls: type, docs: str) -> tuple[list[str], dict]:
-    """Every problem of ``algorithm.<node>`` at once (a preflight's view; the run itself stops at the first):
-    unknown keys (one message listing all); then, if the known keys do not make a valid ``cls`` together, each
-    key's value checked alone, and what remains checked together. Returns ``(messages, the node's good keys)``."""
+def node_problems(algorithm: Mapping[str, Any] | None, cls: type[NodeConfig]) -> tuple[list[str], dict]:
+    """Every problem of ``algorithm.<node>`` (``cls.NODE``) at once (a preflight's view; the run itself stops at the
+    first): unknown keys (one message listing all); then, if the known keys do not make a valid ``cls`` together,
+    each key's value checked alone, and what remains checked together. Returns ``(messages, the node's good keys)``."""
+    node, docs = cls.NODE, cls.DOCS
     raw = dict(((algorithm or {}).get(node, None) or {}).items())
     valid = {f.name for f in fields(cls)}
     problems = []
@@ -66,9 +68,53 @@ def node_problems(algorithm: Mapping[str, Any] | None, node: str, cls: type, doc
     return problems, good
 
 
+NodeConfigT = TypeVar("NodeConfigT", bound="NodeConfig")
+
+
+class NodeConfig:
+    """Base of the typed ``algorithm.<node>`` configs (frozen dataclasses: :class:`OARConfig`, ``CSCRConfig``, ...):
+    reading the node from verl's config, writing it back as a dict, and the checks their ``__post_init__`` share,
+    each naming the key as ``algorithm.<node>.<key>``."""
+
+    NODE: ClassVar[str]
+    """the node under ``algorithm`` ("oar", "cscr", ...)"""
+    DOCS: ClassVar[str]
+    """where its keys are documented, named when a key is refused"""
+
+    @classmethod
+    def from_algorithm(cls: type[NodeConfigT], algorithm: Mapping[str, Any] | None) -> NodeConfigT:
+        """Read ``algorithm.<NODE>`` from verl's ``algorithm`` config (DictConfig or dict); unknown keys are refused
+        with the valid ones."""
+        return cls(**algorithm_node(algorithm, cls.NODE, cls, cls.DOCS))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def check_finite(self, *keys: str) -> None:
+        """ValueError unless each of ``keys`` is a finite int or float (a bool is not a number here)."""
+        for key in keys:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"algorithm.{self.NODE}.{key}={value!r} is invalid: a finite number.")
+
+    def check_flags(self, *keys: str) -> None:
+        """ValueError unless each of ``keys`` is a bool."""
+        for key in keys:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"algorithm.{self.NODE}.{key}={getattr(self, key)!r} is invalid: true or false.")
+
+    def check_choice(self, key: str, choices: tuple) -> None:
+        """ValueError unless ``key`` is one of ``choices``."""
+        if getattr(self, key) not in choices:
+            raise ValueError(f"algorithm.{self.NODE}.{key}={getattr(self, key)!r} is invalid: one of {choices}.")
+
+
 @dataclass(frozen=True)
-class OARConfig:
+class OARConfig(NodeConfig):
     """Everything OAR reads from ``algorithm.oar``; defaults follow the paper's best setting."""
+
+    NODE = "oar"
+    DOCS = "docs/configuration.md"
 
     tau: float = 0.5
     """quantile level in [0, 1] that splits suppressed from amplified tokens (paper: ~0.5 best)"""
@@ -204,18 +250,12 @@ class OARConfig:
             raise ValueError(
                 f"algorithm.oar.no_answer_action={self.no_answer_action!r} is invalid: 'error' (stop the run) or 'warn'."
             )
-        if not isinstance(self.gather_params, bool):
-            raise ValueError(f"algorithm.oar.gather_params={self.gather_params!r} is invalid: true or false.")
+        self.check_flags("gather_params")
         if not isinstance(self.perturb_max_tokens, int) or self.perturb_max_tokens < 0:
             raise ValueError(
                 f"algorithm.oar.perturb_max_tokens={self.perturb_max_tokens!r} is invalid: tokens per OAR-P "
                 "model call, an integer >= 1, or 0 for verl's log-prob budget."
             )
-
-    @classmethod
-    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OARConfig":
-        """Read ``algorithm.oar`` from verl's ``algorithm`` config (DictConfig or dict)."""
-        return cls(**algorithm_node(algorithm, "oar", cls, "see README, 'Configuration'"))
 
     def reshape_config(self) -> ReshapeConfig:
         return ReshapeConfig(
@@ -238,10 +278,6 @@ class OARConfig:
             outcome=self.outcome, mode=self.perturb_mode, budget=self.perturb_budget, share_prefix=share_prefix,
             refine_top=self.perturb_refine_top, refine_unit=self.perturb_refine_unit,
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def neutral_token_id(cfg: OARConfig, tokenizer) -> int:
     """The id an occluded token becomes: ``algorithm.oar.perturb_token_id``, else the pad token,

@@ -24,13 +24,12 @@ and takes no part in the threshold. Computed in float64, returned as float32.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from verl_oar.core.config import algorithm_node
+from verl_oar.core.config import NodeConfig
 from verl_oar.core.privileged_prompt import CSCR_NEGATIVE, CSCR_POSITIVE, OVERFLOWS, check_template
 from verl_oar.core.reshape import linear_quantile
 
@@ -41,8 +40,11 @@ THRESHOLD_MODES = ("quantile", "absolute")
 
 
 @dataclass(frozen=True)
-class CSCRConfig:
+class CSCRConfig(NodeConfig):
     """Everything CSCR's advantage reads from ``algorithm.cscr`` (docs/algo/cscr.md; [GUESS] = not public)."""
+
+    NODE = "cscr"
+    DOCS = "docs/algo/cscr.md"
 
     threshold_mode: str = "quantile"
     """[GUESS] how ``threshold`` is read: ``quantile`` (a level in [0, 1] of the batch's sensitivities)
@@ -65,14 +67,9 @@ class CSCRConfig:
     an empty question is skipped), ``skip`` skips the row (its weights stay 1: GRPO); both counted"""
 
     def __post_init__(self) -> None:
-        if self.threshold_mode not in THRESHOLD_MODES:
-            raise ValueError(f"algorithm.cscr.threshold_mode={self.threshold_mode!r} is invalid: one of {THRESHOLD_MODES}.")
-        if self.sensitivity not in SENSITIVITIES:
-            raise ValueError(f"algorithm.cscr.sensitivity={self.sensitivity!r} is invalid: one of {SENSITIVITIES}.")
-        for key in ("threshold", "alpha", "floor"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"algorithm.cscr.{key}={value!r} is invalid: a finite number.")
+        self.check_choice("threshold_mode", THRESHOLD_MODES)
+        self.check_choice("sensitivity", SENSITIVITIES)
+        self.check_finite("threshold", "alpha", "floor")
         if self.threshold_mode == "quantile" and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"algorithm.cscr.threshold={self.threshold} is invalid with threshold_mode=quantile: "
                              "a quantile level in [0, 1] (or set threshold_mode=absolute for nats).")
@@ -82,16 +79,7 @@ class CSCRConfig:
             raise ValueError(f"algorithm.cscr.floor={self.floor} is invalid: a weight in [0, 1] (0 = no floor).")
         check_template(self.pos_template, "algorithm.cscr.pos_template")
         check_template(self.neg_template, "algorithm.cscr.neg_template")
-        if self.overflow not in OVERFLOWS:
-            raise ValueError(f"algorithm.cscr.overflow={self.overflow!r} is invalid: one of {OVERFLOWS}.")
-
-    @classmethod
-    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "CSCRConfig":
-        """Read ``algorithm.cscr`` (DictConfig or dict); unknown keys are refused with the valid ones."""
-        return cls(**algorithm_node(algorithm, "cscr", cls, "docs/algo/cscr.md"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        self.check_choice("overflow", OVERFLOWS)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ NODES = {
     "acpo": ("verl_oar.core.acpo", "ACPOConfig"),
     "codapo": ("verl_oar.core.codapo", "CoDaPOConfig"),
 }
-"""``algorithm.<node>`` -> (module, class) of its typed config (each with ``from_algorithm``)"""
+"""``algorithm.<node>`` -> (module, class) of its typed config (each a ``core.config.NodeConfig``)"""
 ESTIMATOR_NODES = {"oar_g": "oar", "oar_p": "oar", "cscr": "cscr", "oppo": "oppo", "acpo": "acpo", "codapo": "codapo"}
 """``algorithm.adv_estimator`` -> the node its settings live under"""
 

@@ -26,13 +26,13 @@ its own sequence total, ``(R - V_0) / T`` per token, before steps 7-8. Float64 i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
-from verl_oar.core.config import algorithm_node
+from verl_oar.core.config import NodeConfig
 from verl_oar.core.groups import group_ids  # noqa: F401  (re-exported: OPPO's groups are GRPO's)
 from verl_oar.core.privileged_prompt import OPPO_ORACLE, OVERFLOWS, check_template
 
@@ -54,8 +54,11 @@ STD_EPS = 1e-6
 
 
 @dataclass(frozen=True)
-class OPPOConfig:
+class OPPOConfig(NodeConfig):
     """OPPO's advantage keys under ``algorithm.oppo`` (docs/algo/oppo.md; [GUESS] = not public)."""
+
+    NODE = "oppo"
+    DOCS = "docs/algo/oppo.md"
 
     clip: float = 2.0
     """[GUESS: value] evidence clipping c in nats (lambda in [e^-c, e^c]); 0 disables it"""
@@ -92,17 +95,14 @@ class OPPOConfig:
 
     def __post_init__(self) -> None:
         for key, choices in CHOICES.items():
-            if getattr(self, key) not in choices:
-                raise ValueError(f"algorithm.oppo.{key}={getattr(self, key)!r} is invalid: one of {choices}.")
+            self.check_choice(key, choices)
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not self.clip >= 0:
             raise ValueError(f"algorithm.oppo.clip={self.clip!r} is invalid: nats >= 0 (0 = no clipping).")
         if isinstance(self.prior_eps, bool) or not isinstance(self.prior_eps, (int, float)) or not 0 < self.prior_eps < 0.5:
             raise ValueError(f"algorithm.oppo.prior_eps={self.prior_eps!r} is invalid: in (0, 0.5).")
         check_template(self.template, "algorithm.oppo.template", needs_answer=True)
-        if self.overflow not in OVERFLOWS:
-            raise ValueError(f"algorithm.oppo.overflow={self.overflow!r} is invalid: one of {OVERFLOWS}.")
-        if not isinstance(self.zero_uniform_groups, bool):
-            raise ValueError(f"algorithm.oppo.zero_uniform_groups={self.zero_uniform_groups!r} is invalid: true or false.")
+        self.check_choice("overflow", OVERFLOWS)
+        self.check_flags("zero_uniform_groups")
         if self.scale == "group_std" and not self.zero_uniform_groups:
             raise ValueError("algorithm.oppo.scale=group_std with algorithm.oppo.zero_uniform_groups=false divides the "
                              "advantages of a group whose rewards are all equal (std 0) by 1e-6: a prior-to-reward gap of "
@@ -126,14 +126,6 @@ class OPPOConfig:
     def teacher_path(self) -> str | None:
         """the teacher's model path (``oracle=teacher``), else None"""
         return self.teacher["path"] if self.oracle == "teacher" else None
-
-    @classmethod
-    def from_algorithm(cls, algorithm: Mapping[str, Any] | None) -> "OPPOConfig":
-        """Read ``algorithm.oppo`` (DictConfig or dict); unknown keys are refused with the valid ones."""
-        return cls(**algorithm_node(algorithm, "oppo", cls, "docs/algo/oppo.md"))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

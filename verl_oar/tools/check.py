@@ -195,7 +195,7 @@ def run_refusals(config, problems: list[dict], model_config=None) -> list[str]:
     classes = _config_classes()
     cleaned = config
     for node in _estimator_nodes(config):
-        messages, good = node_problems(config.algorithm, node, classes[node], f"docs/algo/{node}.md")
+        messages, good = node_problems(config.algorithm, classes[node])
         problems += [{"stage": "verl-oar", "message": m} for m in messages]
         if messages:  # check the rest of the run as if the bad keys were not there
             cleaned = OmegaConf.create(OmegaConf.to_container(cleaned, resolve=False))
