@@ -161,13 +161,10 @@ def main() -> None:
 
 
 def timing(methods: list[str], args, work: Path) -> dict:
-    from verl_oar.cpu.ray_cluster import SharedRayCluster
+    from verl_oar.cpu.ray_cluster import shared_cluster
 
     out: dict = {}
-    cluster = SharedRayCluster(work / "ray_cluster.log")
-    saved = {k: os.environ.get(k) for k in cluster.env}
-    try:
-        os.environ.update(cluster.env)
+    with shared_cluster(work / "ray_cluster.log", join_given=False):  # its own cluster, started once, not timed
         for method in methods:
             rows = {"main_ppo_s": [], "fast_cold_s": [], "fast_warm_s": [], "ratio_cold": [], "ratio_warm": [],
                     "main_ppo_reward": [], "fast_reward": []}
@@ -186,13 +183,6 @@ def timing(methods: list[str], args, work: Path) -> dict:
             rows["ratio_cold_of_medians"] = round(main / statistics.median(rows["fast_cold_s"]), 2)
             rows["ratio_warm_of_medians"] = round(main / statistics.median(rows["fast_warm_s"]), 2)
             out[method] = rows
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        cluster.stop()
     return out
 
 

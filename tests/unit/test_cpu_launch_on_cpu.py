@@ -1,10 +1,13 @@
 """How a CPU run finds its Ray cluster (verl_oar.cpu.overrides / launch): a cluster of its own by default,
 the running one named by ``$VERL_OAR_RAY_ADDRESS`` when set (the test session's, verl_oar/cpu/ray_cluster.py),
-with the run's environment handed to that cluster's workers. The runs themselves are tests/e2e."""
+with the run's environment handed to that cluster's workers; ``ray_cluster.shared_cluster``, which sets that address
+for a block of launches. The runs themselves are tests/e2e."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,50 @@ def test_run_trainer_joins_a_cluster_only_when_one_is_named(monkeypatch, tmp_pat
                         "++ray_kwargs.ray_init.num_gpus=null"]
     else:
         assert args == ["a=1"]
+
+
+class _FakeCluster:
+    """``SharedRayCluster`` as ``shared_cluster`` uses it (an ``env`` and ``stop``), without a Ray process."""
+
+    started: list = []
+
+    def __init__(self, log):
+        self.env = {RAY_ADDRESS_ENV: "127.0.0.1:6399", "RAY_AUTH_MODE": "token"}
+        self.stopped = False
+        _FakeCluster.started.append(self)
+
+    def stop(self):
+        self.stopped = True
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_shared_cluster_sets_its_address_for_the_block_then_restores_the_environment_and_stops(
+        monkeypatch, tmp_path, fails):
+    from verl_oar.cpu import ray_cluster
+
+    monkeypatch.setattr(ray_cluster, "SharedRayCluster", _FakeCluster)
+    monkeypatch.delenv(RAY_ADDRESS_ENV, raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "before")
+    _FakeCluster.started.clear()
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with ray_cluster.shared_cluster(tmp_path / "holder.log") as cluster:
+            assert cluster is _FakeCluster.started[0]
+            assert os.environ[RAY_ADDRESS_ENV] == "127.0.0.1:6399" and os.environ["RAY_AUTH_MODE"] == "token"
+            if fails:
+                raise RuntimeError("a run failed")
+    assert cluster.stopped
+    assert RAY_ADDRESS_ENV not in os.environ and os.environ["RAY_AUTH_MODE"] == "before"
+
+
+def test_shared_cluster_joins_a_given_address_as_it_is_unless_told_to_start_its_own(monkeypatch, tmp_path):
+    from verl_oar.cpu import ray_cluster
+
+    monkeypatch.setattr(ray_cluster, "SharedRayCluster", _FakeCluster)
+    monkeypatch.setenv(RAY_ADDRESS_ENV, "127.0.0.1:6380")
+    _FakeCluster.started.clear()
+    with ray_cluster.shared_cluster(tmp_path / "holder.log") as cluster:
+        assert cluster is None and os.environ[RAY_ADDRESS_ENV] == "127.0.0.1:6380"
+    assert _FakeCluster.started == [] and os.environ[RAY_ADDRESS_ENV] == "127.0.0.1:6380"
+    with ray_cluster.shared_cluster(tmp_path / "holder.log", join_given=False) as cluster:
+        assert os.environ[RAY_ADDRESS_ENV] == "127.0.0.1:6399"
+    assert cluster.stopped and os.environ[RAY_ADDRESS_ENV] == "127.0.0.1:6380"

@@ -11,7 +11,8 @@ namespace, so two runs must never share a cluster at the same time). Closing its
 ``ray stop``, which would stop every Ray cluster of the user, other people's test runs included).
 
 Trainer launches join the cluster through ``$VERL_OAR_RAY_ADDRESS`` (``verl_oar.cpu.overrides``) and
-the cluster's ``$RAY_AUTH_MODE`` (``SharedRayCluster.env``).
+the cluster's ``$RAY_AUTH_MODE`` (``SharedRayCluster.env``); :func:`shared_cluster` sets them for a block of
+launches.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from verl_oar.cpu.overrides import RAY_ADDRESS_ENV
@@ -84,6 +87,29 @@ class SharedRayCluster:
 
             stop_process_group(self.proc)
         self._log.close()
+
+
+@contextmanager
+def shared_cluster(log: Path, join_given: bool = True) -> Iterator[SharedRayCluster | None]:
+    """One Ray cluster for the block's trainer launches. With ``join_given`` and ``$VERL_OAR_RAY_ADDRESS`` already
+    set (a caller's cluster, a test session's), that one, as it is: yields None. Otherwise a new
+    :class:`SharedRayCluster` (its holder's log at ``log``), whose ``env`` is in ``os.environ`` for the block; after
+    the block, also on error, the environment is as it was and the cluster is stopped."""
+    if join_given and os.environ.get(RAY_ADDRESS_ENV):
+        yield None
+        return
+    cluster = SharedRayCluster(log)
+    saved = {key: os.environ.get(key) for key in cluster.env}
+    try:
+        os.environ.update(cluster.env)
+        yield cluster
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        cluster.stop()
 
 
 def _leftovers(own_job: str) -> dict:

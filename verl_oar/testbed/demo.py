@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -197,8 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         require_matplotlib("the demo's report figures")
     except MissingMatplotlib as error:
         raise SystemExit(f"verl_oar.testbed.demo: {error}") from None
-    from verl_oar.cpu.overrides import RAY_ADDRESS_ENV
-    from verl_oar.cpu.ray_cluster import SharedRayCluster
+    from verl_oar.cpu.ray_cluster import shared_cluster
     from verl_oar.testbed.machine import machine_info
     from verl_oar.testbed.quality import load_testbed, run_quality
 
@@ -223,11 +221,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     settings = RunSettings(steps=args.steps, batch_size=args.batch_size, mini_batch_size=args.mini_batch_size, n=args.n, lr=args.lr,
                            val_every=args.val_every, val_prompts=args.val_prompts)
     val_file = write_val_subset(bed, args.val_prompts, out / "data" / "val_subset.parquet")
-    cluster = SharedRayCluster(out / "logs" / "ray_cluster.log") if not os.environ.get(RAY_ADDRESS_ENV) else None
-    saved = {k: os.environ.get(k) for k in (cluster.env if cluster else {})}
-    try:
-        if cluster:
-            os.environ.update(cluster.env)  # the runs' overrides and environments join this cluster
+    with shared_cluster(out / "logs" / "ray_cluster.log"):  # the runs' overrides and environments join this cluster
         runs = make_runs(bed, args.method_list, args.seed_list, settings, neutral_id=q["config"]["neutral_id"],
                          out_dir=out, val_file=val_file)
         reused, earlier = reuse_runs(runs, args.reuse, settings, bed) if args.reuse else ({}, None)
@@ -236,14 +230,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
              f"cluster (about a minute each to start, then a few seconds per step)"
              + (f"; {len(runs) - len(pending)} reused from {args.reuse}" if reused else ""))
         run_all(pending, total_steps=args.steps, log=lambda m: _log("    " + m), timeout_s=args.run_timeout)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if cluster:
-            cluster.stop()
 
     _log("4/4 summary and report")
     summary = {

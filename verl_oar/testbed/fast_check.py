@@ -24,7 +24,6 @@ them, which differs from GRPO's run's order: float rounding in the sums).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -47,7 +46,7 @@ def make_fixture(out_dir: str | Path, testbed: str | Path | None = None,
     """Run main_ppo one step per method on ``testbed`` (None: the committed start; module docstring) and copy what
     the checks read into ``out_dir``. ``methods`` must include ``oar_g`` when it includes ``grpo`` (GRPO is replayed
     on OAR-G's dump)."""
-    from verl_oar.cpu.ray_cluster import RAY_ADDRESS_ENV, SharedRayCluster
+    from verl_oar.cpu.ray_cluster import shared_cluster
     from verl_oar.testbed.demo import write_val_subset
     from verl_oar.testbed.fast_runner import load_bed, neutral_token_id
     from verl_oar.testbed.machine import cpu_id, machine_info
@@ -66,21 +65,10 @@ def make_fixture(out_dir: str | Path, testbed: str | Path | None = None,
         bed = copy_testbed(source, tmp / "testbed")
         val_file = write_val_subset(bed, settings.val_prompts, tmp / "data" / "val_subset.parquet")
         # a caller's cluster (a test session's) is joined as it is; otherwise one is started for these runs
-        cluster = None if os.environ.get(RAY_ADDRESS_ENV) else SharedRayCluster(tmp / "ray_cluster.log")
-        saved = {k: os.environ.get(k) for k in (cluster.env if cluster is not None else {})}
-        try:
-            os.environ.update(cluster.env if cluster is not None else {})
+        with shared_cluster(tmp / "ray_cluster.log"):
             runs = make_runs(bed, list(methods), [SEED], settings, neutral_id=neutral_token_id(bed), out_dir=tmp,
                              val_file=val_file)
             run_all(runs, total_steps=settings.steps, log=print)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            if cluster is not None:
-                cluster.stop()
         for run in runs:
             shutil.copyfile(run.metrics_path, out / f"{run.method}_metrics.jsonl")
             if run.dump_dir is not None:
