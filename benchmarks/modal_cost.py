@@ -32,16 +32,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_worker import build_worker  # noqa: E402
-from privileged_cost import _one_rank_env, _parameters, build_model_dir, rollout, round_robin  # noqa: E402
+from privileged_cost import (  # noqa: E402
+    _one_rank_env,
+    _parameters,
+    add_shape_arguments,
+    build_model_dir,
+    rollout,
+    round_robin,
+)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--prompt-chars", type=int, default=600)
-    parser.add_argument("--mean-response", type=int, default=2400)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
+    add_shape_arguments(parser)
     parser.add_argument("--vocabs", default="0,12672", help="output-layer sizes, comma-separated (0: the tokenizer's)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default=None, help="write the results as JSON here")

@@ -101,13 +101,19 @@ def rollout(tokenizer, rows: int, prompt_chars: int, mean_response: int, seed: i
     return messages, prompts, responses, answers
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rollout's and the model's shape (``--rows``, ``--prompt-chars``, ``--mean-response``, ``--hidden``,
+    ``--layers``), the same here and in ``modal_cost``, which times its pass on these rows and model."""
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt-chars", type=int, default=600)
     parser.add_argument("--mean-response", type=int, default=2400)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_arguments(parser)
     parser.add_argument("--teacher-hidden", type=int, default=256, help="hidden size of OPPO's teacher stand-in")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
