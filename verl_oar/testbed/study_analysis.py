@@ -191,17 +191,23 @@ def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *,
     }
 
 
-def h1_verdict(interval: Mapping) -> str:
-    """supported: the (Bonferroni) interval of the relative change lies below 0; not supported: it excludes the
-    paper's -18% (lies above it); inconclusive otherwise."""
+def interval_verdict(interval: Mapping, below: tuple[float, str], above: tuple[float, str]) -> str:
+    """Every verdict's rule: ``below``'s word when the interval lies below ``below``'s value (checked first),
+    ``above``'s when it lies above ``above``'s value, "inconclusive" otherwise or when the interval has no ends."""
     low, high = interval["low"], interval["high"]
     if low is None or high is None:
         return "inconclusive"
-    if high < 0:
-        return "supported"
-    if low > PAPER_H1:
-        return "not supported"
+    if high < below[0]:
+        return below[1]
+    if low > above[0]:
+        return above[1]
     return "inconclusive"
+
+
+def h1_verdict(interval: Mapping) -> str:
+    """supported: the (Bonferroni) interval of the relative change lies below 0; not supported: it excludes the
+    paper's -18% (lies above it); inconclusive otherwise."""
+    return interval_verdict(interval, (0, "supported"), (PAPER_H1, "not supported"))
 
 
 def steps_difference(method: Mapping[int, Mapping], full: Mapping[int, Mapping]) -> dict:
@@ -215,10 +221,7 @@ def slower_verdict(interval: Mapping) -> str:
     """H3 and H4 (a variant is slower than full OAR-G at tau 0.5; the paper gives no size): supported when the
     interval of the steps difference lies above 0, not supported when it lies below 0 (the variant is faster),
     inconclusive otherwise."""
-    low, high = interval["low"], interval["high"]
-    if low is None or high is None:
-        return "inconclusive"
-    return "supported" if low > 0 else "not supported" if high < 0 else "inconclusive"
+    return interval_verdict(interval, (0, "not supported"), (0, "supported"))
 
 
 def h4_verdict(variants: Mapping[str, Mapping]) -> str | None:
@@ -271,21 +274,14 @@ def h5_slopes(cells_by_task: Mapping[str, Mapping[str, tuple]]) -> dict:
         a, last = 0.025, len(slopes) - 1
         low, high = slopes[math.floor(a * last)], slopes[math.ceil((1 - a) * last)]
         out[method] = {"tasks": tasks, "log2_filler": xs, "estimate": estimate, "low": low, "high": high,
-                       "level": 0.95, "verdict": "supported" if high < 0 else "not supported" if low > 0
-                       else "inconclusive"}
+                       "level": 0.95, "verdict": interval_verdict({"low": low, "high": high}, (0, "supported"),
+                                                                  (0, "not supported"))}
     return out
 
 
 def h2_verdict(interval: Mapping) -> str:
     """supported: the SD ratio's interval lies below 1; not supported: it lies above the paper's 0.6."""
-    low, high = interval["low"], interval["high"]
-    if low is None or high is None:
-        return "inconclusive"
-    if high < 1:
-        return "supported"
-    if low > PAPER_H2:
-        return "not supported"
-    return "inconclusive"
+    return interval_verdict(interval, (1, "supported"), (PAPER_H2, "not supported"))
 
 
 def analyse_task(runs: Sequence[Mapping], task: str) -> dict:
@@ -349,10 +345,7 @@ def _h1_cells(runs: Sequence[Mapping], task: str, analysis: Mapping) -> dict:
 def replication_verdict(interval: Mapping) -> str:
     """R1 and R2's rule: the 95% interval of the relative change lies below 0 (the method is faster), above 0
     (slower), or covers 0."""
-    low, high = interval["low"], interval["high"]
-    if low is None or high is None:
-        return "inconclusive"
-    return "faster" if high < 0 else "slower" if low > 0 else "inconclusive"
+    return interval_verdict(interval, (0, "faster"), (0, "slower"))
 
 
 def seeds_for_effect(method_steps: Sequence[float], base_steps: Sequence[float], effect: float = POWER_EFFECT) -> dict:
