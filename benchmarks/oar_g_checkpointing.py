@@ -20,9 +20,9 @@ weights, sdpa; float32 and bfloat16 (FSDP's ``param_dtype`` in the recipes; slow
 Qwen2.5-Math-1.5B's own (hidden 1536, 12 / 2 heads, MLP 8960; for a GPU: ~44 GiB plain at 16k tokens). Workload:
 ``T / 512`` rows of 512 tokens (a 64-token prompt, reasoning, an 8-token answer and an end token).
 
-What is measured on the CPU: the peak of live tensor bytes the pass creates (a ``TorchDispatchMode`` that counts
-every storage an op creates while any tensor on it lives, as tests/unit/test_memory_estimate_on_cpu.py's
-``LivePeak``; the weights are not counted): what a GPU's caching allocator must hold at least, free of the CPU
+What is measured on the CPU: the peak of live tensor bytes the pass creates (``LiveBytes``, a ``TorchDispatchMode``
+that counts every storage an op creates while any tensor on it lives; tests/unit/test_memory_estimate_on_cpu.py
+measures with it too; the weights are not counted): what a GPU's caching allocator must hold at least, free of the CPU
 allocator's caching (peak RSS is not: glibc keeps freed chunks). Exact and deterministic, so one run per row;
 memory does not depend on other processes' CPU load. On CUDA (``--device cuda``): ``torch.cuda.max_memory_allocated``
 above what was allocated before the pass (after a warm-up pass), which adds CUDA's kernels (flash-attention's
@@ -56,7 +56,8 @@ MIB = 2**20
 
 
 class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages ops create inside the mode, each counted until no tensor uses it."""
+    """Peak bytes of the storages ops create inside the mode, each counted until no tensor uses it (a view of an
+    op's input is not new). Intermediate buffers inside one kernel are not seen."""
 
     def __init__(self):
         super().__init__()

@@ -17,10 +17,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _benchmarks import load_benchmark
 from _verl_config import compose_ppo_config, compose_recipe
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from verl_oar.core.memory_estimate import (
     MARKER_TOKENS,
@@ -42,29 +40,9 @@ QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, 
 """Qwen2.5-Math-1.5B / -7B config.json (architecture only; -7B-Instruct, OPPO's teacher, has the 7B's)"""
 
 
-class LivePeak(TorchDispatchMode):
-    """Peak bytes of storages created by torch ops inside the mode, each counted while any tensor on it lives
-    (a view of an op's input is not new). Intermediate buffers inside one kernel are not seen."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.now = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.now -= self.live.pop(key)[1]
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in inputs and key not in self.live:
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    self.now += storage.nbytes()
-        self.peak = max(self.peak, self.now)
-        return out
+LiveBytes = load_benchmark("oar_g_checkpointing").LiveBytes
+"""the ``TorchDispatchMode`` that benchmarks/oar_g_checkpointing.py measures with (and tests/gpu on the CPU): the peak
+bytes of the storages torch ops create inside it, each counted while any tensor on it lives"""
 
 
 def _qwen2(dtype=torch.float32, attention="sdpa", **shape):
@@ -172,7 +150,7 @@ def _oar_g_measured(dtype, objective: str = "noisy_kl", checkpointing: bool = Fa
     predict[:, length - answer - 1 : length - 1] = True
     segment = torch.arange(rows).unsqueeze(1).expand(rows, length).contiguous()
     head = OutcomeHead(model, predict, 1.0, nullcontext())
-    with LivePeak() as tracked:
+    with LiveBytes() as tracked:
         importance = gradient_importance_in_forward(
             lambda transform: head.run({"input_ids": ids}, transform, full_logits=False)[1], reasoning, predict,
             torch.roll(ids, -1, 1), segment, rows, GradientConfig(objective=objective),
@@ -255,7 +233,7 @@ def _oar_p_measured(dtype, mode: str, response: int, samples: int = 3, answer: i
         mask[prompt : prompt + reasoning_len] = True
         batch.append(Sample(ids, torch.arange(length), torch.full((length,), -1), predict, 1.0, prompt_len=prompt))
         reasoning.append(mask)
-    with torch.no_grad(), LivePeak() as tracked:
+    with torch.no_grad(), LiveBytes() as tracked:
         _, _, cost = score_samples(HFRowsModel(model, pad_id=0), batch, reasoning, 0,
                                    PerturbationConfig(mode=mode, budget=budget), run.tokens)
     predicted = estimate(ModelShape.from_hf_config(config), run, settings)
@@ -300,7 +278,7 @@ def test_acpo_holds_one_block_and_the_estimate_is_what_top1_log_probs_holds(dtyp
     block = rows * vocab * 4
     logits = torch.randn(n, vocab).to(dtype)
     temperature = torch.rand(n) + 0.5 if per_row else 0.7
-    with LivePeak() as tracked:
+    with LiveBytes() as tracked:
         out = top1_log_probs(logits, temperature)
     results = out.numel() * out.element_size() * (2 if per_row else 1)  # the result, the reciprocal temperatures
     assert tracked.peak - results <= block + 4 * rows + 4, (tracked.peak - results, block)  # + a 0-dim temperature
