@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from _tiny_models import byte_qwen2
 
 SAVE = textwrap.dedent('''
     import os, sys
@@ -64,21 +65,6 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _model(seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from verl_oar.cpu.workspace import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).float(), tokenizer
-
-
 @pytest.mark.slow
 def test_verl_fsdp_checkpoint_merged_by_verls_merger_loads_in_the_heatmap(tmp_path):
     from transformers import AutoModelForCausalLM
@@ -86,7 +72,7 @@ def test_verl_fsdp_checkpoint_merged_by_verls_merger_loads_in_the_heatmap(tmp_pa
     from verl_oar.cpu.workspace import save_model_dir
     from verl_oar.tools.heatmap import main
 
-    model, tokenizer = _model(2)
+    model, tokenizer = byte_qwen2(2)
     save_model_dir(model, tokenizer, tmp_path / "model")
     actor = tmp_path / "ckpt" / "global_step_1" / "actor"
     (tmp_path / "save.py").write_text(SAVE)
@@ -105,7 +91,7 @@ def test_verl_fsdp_checkpoint_merged_by_verls_merger_loads_in_the_heatmap(tmp_pa
     # the heatmap reads the merged folder (its tokenizer too) and scores it as the same weights saved directly; saved
     # in bfloat16 like the merger's, so that both load through the same upcast (an fp32 file of equal values loads
     # into other memory, and OAR-P's differences of near-equal log-probs then differ in the last bits, ~1e-9)
-    rounded, _ = _model(2)
+    rounded, _ = byte_qwen2(2)
     save_model_dir(rounded.bfloat16(), tokenizer, tmp_path / "rounded")
     args = ["--prompt", "max: 3 7 | 2 5", "--response", "qzt kdm 7 abx \\boxed{7}", "--estimators", "oar_p,acpo",
             "--device", "cpu"]

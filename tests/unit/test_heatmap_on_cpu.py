@@ -41,19 +41,12 @@ def one_thread():
 def model_dir(tmp_path_factory):
     """A tiny randomly initialised Qwen2 (hidden 32, 2 layers) with the CPU workspace's tokenizer,
     saved as a Hugging Face model directory; scores are meaningless but exercise every path."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from _tiny_models import byte_qwen2
 
-    from verl_oar.cpu.workspace import build_tokenizer, save_model_dir
+    from verl_oar.cpu.workspace import save_model_dir
 
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("heatmap_model") / "model"
-    save_model_dir(Qwen2ForCausalLM(config).float(), tokenizer, directory)
+    save_model_dir(*byte_qwen2(seed=0), directory)
     return directory
 
 
