@@ -7,6 +7,7 @@ key wins in Hydra). Each group says why it is there; the ones CPU mode cannot ru
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def cpu_overrides(
     use_kl_loss: bool = True,
     experiment_name: str = "cpu_smoke",
     seed: int = 0,
+    ranks: int = 1,
 ) -> list[str]:
     """Hydra overrides for a CPU run over the workspace built by ``workspace.build_workspace``.
 
@@ -36,9 +38,13 @@ def cpu_overrides(
         adv_estimator: ``algorithm.adv_estimator`` (grpo, or an OAR estimator once registered).
         use_v1: verl's v1 trainer (default) or the legacy ``RayPPOTrainer``.
         use_kl_loss: GRPO's KL-to-reference loss; True also exercises the reference model.
+        ranks: data-parallel ranks (``trainer.n_gpus_per_node``, one pretend GPU each): FSDP2 shards
+            the actor over them (gloo), each scores its share of the step's rows; one hf rollout
+            replica per rank. ``n * batch_size`` must be a multiple of ``ranks`` (:func:`check_ranks`).
     """
     ws = Path(workspace_dir).expanduser().resolve()
-    rows = n * batch_size  # sequences per step
+    check_ranks(ranks, rows=n * batch_size, mini_batch_rows=n * batch_size)
+    rows = n * batch_size // ranks  # sequences per step and rank (micro-batch sizes are per rank)
     return [
         # --- algorithm ---
         f"algorithm.adv_estimator={adv_estimator}",
@@ -94,7 +100,7 @@ def cpu_overrides(
         "reward.num_workers=1",
         # --- trainer ---
         "trainer.device=cpu",  # required
-        "trainer.n_gpus_per_node=1",  # required: one (pretend) GPU, see ray_kwargs
+        f"trainer.n_gpus_per_node={ranks}",  # required: one (pretend) GPU per rank, see ray_kwargs
         "trainer.nnodes=1",
         f"trainer.use_v1={use_v1}",
         f"trainer.total_training_steps={steps}",
@@ -110,8 +116,8 @@ def cpu_overrides(
         "trainer.log_val_generations=0",
         # --- v1 trainer: required: one TransferQueue storage unit (each wants a Ray CPU; 8 hang) ---
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        # --- Ray: required: verl counts GPUs; pretend one, and enough CPU slots for verl's actors ---
-        *ray_overrides(),
+        # --- Ray: required: verl counts GPUs; pretend one per rank, and enough CPU slots for verl's actors ---
+        *ray_overrides(ranks=ranks),
     ]
 
 
@@ -132,10 +138,11 @@ def ray_address() -> str | None:
     return os.environ.get(RAY_ADDRESS_ENV) or None
 
 
-def ray_overrides(address: str | None = None) -> list[str]:
-    """``ray_kwargs.ray_init`` for a CPU run: a cluster of its own with one pretend GPU and 8 CPU slots,
-    or, with ``address`` (default ``ray_address()``), joining that cluster (Ray refuses resource
-    counts when joining). Joining works after a recipe's own ``num_gpus``/``num_cpus`` overrides too."""
+def ray_overrides(address: str | None = None, *, ranks: int = 1) -> list[str]:
+    """``ray_kwargs.ray_init`` for a CPU run: a cluster of its own with ``ranks`` pretend GPUs and the CPU
+    slots verl's actors take (:func:`ray_resources`), or, with ``address`` (default ``ray_address()``),
+    joining that cluster (Ray refuses resource counts when joining; the cluster must have them). Joining
+    works after a recipe's own ``num_gpus``/``num_cpus`` overrides too."""
     address = address or ray_address()
     if address:
         return [
@@ -143,7 +150,50 @@ def ray_overrides(address: str | None = None) -> list[str]:
             "ray_kwargs.ray_init.num_cpus=null",
             "++ray_kwargs.ray_init.num_gpus=null",
         ]
-    return ["+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=8"]
+    resources = ray_resources(ranks)
+    return [f"+ray_kwargs.ray_init.num_gpus={resources['num_gpus']}", f"ray_kwargs.ray_init.num_cpus={resources['num_cpus']}"]
+
+
+CPU_SLOTS_PER_RANK = 3
+"""Ray CPU slots a rank's placement-group bundle takes: verl's resource pool asks ``{"CPU": 3, "GPU": 1}`` per
+GPU (``RayResourcePool`` with ``max_colocate_count=3`` in ``ResourcePoolManager``, verl 0.9.1)"""
+CPU_SLOTS_BESIDE_RANKS = 5
+"""Ray CPU slots of verl's other actors in a CPU run: the TaskRunner, TransferQueue's controller and its
+one storage unit, the agent-loop worker and the reward worker (the hf rollout servers take none)"""
+
+
+def ray_resources(ranks: int = 1) -> dict[str, int]:
+    """What a CPU run of ``ranks`` ranks needs of its Ray cluster: one pretend GPU per rank, and
+    ``CPU_SLOTS_PER_RANK`` CPU slots per rank plus ``CPU_SLOTS_BESIDE_RANKS`` (8 for one rank, 11 for two).
+    Slots are Ray's bookkeeping, not cores: a run of two ranks runs on a 2-core machine."""
+    check_ranks(ranks)
+    return {"num_cpus": CPU_SLOTS_BESIDE_RANKS + CPU_SLOTS_PER_RANK * ranks, "num_gpus": ranks}
+
+
+def check_ranks(ranks: int, *, rows: int | None = None, mini_batch_rows: int | None = None,
+                micro_batch_rows: int | None = None) -> None:
+    """Refuse a rank count CPU mode cannot run, naming the fix: ``ranks`` must be a positive integer; a step's
+    ``rows`` (prompts x responses) and a PPO mini-batch's ``mini_batch_rows`` must split evenly over the ranks
+    (verl hands each rank a contiguous equal share after ``_balance_batch``, and would otherwise pad the batch
+    with rows of its own); ``micro_batch_rows`` (per rank) must divide a rank's share of a mini-batch."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks={ranks!r} is invalid: CPU mode needs a positive whole number of ranks (1, 2, ...)")
+    for name, count in (("rows per step (batch_size x n)", rows), ("rows per PPO mini-batch", mini_batch_rows)):
+        if count is not None and count % ranks:
+            fit = ranks // math.gcd(count, ranks)
+            raise ValueError(
+                f"{count} {name} do not split evenly over ranks={ranks}: each rank must get the same number of "
+                f"rows. Use a batch size (prompts) or responses per prompt (n) that makes it a multiple of "
+                f"{ranks}, e.g. {fit}x as many prompts, or ranks={math.gcd(count, ranks)}."
+            )
+    if micro_batch_rows is not None and mini_batch_rows is not None:
+        share = mini_batch_rows // ranks
+        if micro_batch_rows < 1 or share % micro_batch_rows:
+            raise ValueError(
+                f"a micro-batch of {micro_batch_rows} rows per rank does not divide a rank's {share} rows of a PPO "
+                f"mini-batch ({mini_batch_rows} rows over {ranks} ranks): set "
+                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu to a divisor of {share}, e.g. {share}."
+            )
 
 
 def metrics_file(workspace_dir: str | os.PathLike, experiment_name: str = "cpu_smoke") -> Path:

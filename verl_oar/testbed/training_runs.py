@@ -62,6 +62,9 @@ class RunSettings:
     """validate (greedy, on ``val_prompts`` val prompts) before training and every this many steps
     (and after the last); 0 = before training and after the last step only"""
     val_prompts: int = 64
+    ranks: int = 1
+    """data-parallel ranks of the actor (``trainer.n_gpus_per_node``, ``cpu_overrides``' ``ranks``); the micro-batch
+    is a rank's share of the mini-batch"""
 
 
 def method_overrides(name: str, seed: int, neutral_id: int, bed: Testbed, dump_dir: Path | None = None) -> list[str]:
@@ -94,11 +97,12 @@ def run_overrides(
         use_kl_loss=False,
         experiment_name=name,
         seed=seed,
+        ranks=settings.ranks,
     )
     out += method_overrides(method, seed, neutral_id, bed, dump_dir)
     out += [
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini_batch * settings.n}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini_batch * settings.n // settings.ranks}",
         "actor_rollout_ref.model.use_remove_padding=False",
         "trainer.v1.sampler.custom_sampler.path=pkg://verl_oar.cpu.replay_buffer",
         "trainer.v1.sampler.custom_sampler.name=QuickPollReplayBuffer",
