@@ -20,6 +20,7 @@ from verl_oar.core.answer_locator import load_answer_locator
 from verl_oar.core.config import OARConfig, neutral_token_id
 from verl_oar.engines.backend import importance_pass
 from verl_oar.engines.inputs import add_outcome_masks, nested, remove_masks
+from verl_oar.engines.rank_dump import dump_rank_rows, rank_dump_dir
 from verl_oar.engines.rank_errors import raised_on_every_rank
 
 METHODS = ("gradient", "perturbation")
@@ -131,13 +132,18 @@ def token_importance_on_training_worker(worker, data: TensorDict, with_log_probs
     response_lens = data["responses"].offsets().diff().tolist()
     resp_rows = [row[p : p + r] for row, p, r in zip(importance.unbind(), prompt_lens, response_lens, strict=True)]
     remove_masks(data)
+    reasoning_rows = [reasoning[i, :r] for i, r in enumerate(response_lens)]
+    answer_rows = [answer[i, :r] for i, r in enumerate(response_lens)]
+    if rank_dump_dir():  # every rank's own rows, for debugging (off unless $VERL_OAR_RANK_DUMP_DIR is set)
+        dump_rank_rows(rank_dump_dir(), engine, data, step=step, method=method, fused=with_log_probs,
+                       importance=resp_rows, reasoning=reasoning_rows, answer=answer_rows)
     if not engine.is_mp_src_rank_with_outputs():
         return None
     out = TensorDict(
         {
             "oar_importance": nested(resp_rows),
-            "oar_reasoning_mask": nested([reasoning[i, :r] for i, r in enumerate(response_lens)]),
-            "oar_answer_mask": nested([answer[i, :r] for i, r in enumerate(response_lens)]),
+            "oar_reasoning_mask": nested(reasoning_rows),
+            "oar_answer_mask": nested(answer_rows),
             "oar_answer_source": answer_source,
             **per_sample,
             **model_outputs,
