@@ -135,3 +135,45 @@ def test_shared_cluster_joins_a_given_address_as_it_is_unless_told_to_start_its_
     with ray_cluster.shared_cluster(tmp_path / "holder.log", join_given=False) as cluster:
         assert os.environ[RAY_ADDRESS_ENV] == "127.0.0.1:6399"
     assert cluster.stopped and os.environ[RAY_ADDRESS_ENV] == "127.0.0.1:6380"
+
+
+def test_ranks_ask_for_one_pretend_gpu_and_three_cpu_slots_each_and_split_the_micro_batch(monkeypatch, tmp_path):
+    """``cpu_overrides(ranks=2)``: two FSDP2 ranks (``trainer.n_gpus_per_node``), a cluster with room for verl's two
+    ``{CPU: 3, GPU: 1}`` bundles and its other actors, and micro-batches of a rank's share of the step."""
+    monkeypatch.delenv(RAY_ADDRESS_ENV, raising=False)
+    config = compose_ppo_config(cpu_overrides(tmp_path, n=4, batch_size=4, ranks=2))
+    assert config.trainer.n_gpus_per_node == 2 and config.trainer.nnodes == 1
+    assert config.ray_kwargs.ray_init.num_gpus == 2 and config.ray_kwargs.ray_init.num_cpus == 11
+    assert config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8  # 16 rows / 2 ranks
+    assert config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 8
+    assert cpu_overrides(tmp_path) == cpu_overrides(tmp_path, ranks=1)  # the default is one rank
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(ranks=0), "positive whole number of ranks"),
+    (dict(ranks=3, n=4, batch_size=4), "16 rows per step .* do not split evenly over ranks=3.*3x as many prompts, or ranks=1"),
+    (dict(ranks=4, n=3, batch_size=2), "6 rows per step .* do not split evenly over ranks=4.*2x as many prompts, or ranks=2"),
+])
+def test_a_rank_count_cpu_mode_cannot_run_is_refused_naming_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cpu_overrides(tmp_path, **kwargs)
+
+
+def test_a_micro_batch_that_does_not_divide_a_ranks_share_is_refused():
+    from verl_oar.cpu.overrides import check_ranks
+
+    with pytest.raises(ValueError, match="does not divide a rank's 4 rows .* a divisor of 4"):
+        check_ranks(2, rows=8, mini_batch_rows=8, micro_batch_rows=3)
+    check_ranks(2, rows=8, mini_batch_rows=8, micro_batch_rows=2)
+
+
+def test_the_recipe_copies_take_ranks_too():
+    from verl_oar.cpu.recipe import recipe_cpu_overrides
+
+    two = recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=2)
+    assert "trainer.n_gpus_per_node=2" in two and "+ray_kwargs.ray_init.num_gpus=2" in two
+    assert recipe_cpu_overrides("/ws", steps=1, experiment_name="x")[-30:] == [
+        o.replace("n_gpus_per_node=2", "n_gpus_per_node=1").replace("num_gpus=2", "num_gpus=1").replace("num_cpus=11", "num_cpus=8")
+        for o in two][-30:]
+    with pytest.raises(ValueError, match="16 rows per step .* do not split evenly over ranks=3"):
+        recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=3)

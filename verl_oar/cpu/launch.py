@@ -1,6 +1,6 @@
 """Run verl's real PPO/GRPO trainer on this CPU-only machine.
 
-    python -m verl_oar.cpu.launch [--steps N] [--adv-estimator grpo] [--workdir DIR] [--legacy] \
+    python -m verl_oar.cpu.launch [--steps N] [--adv-estimator grpo] [--workdir DIR] [--legacy] [--ranks N] \
         [extra hydra overrides ...]
 
 1. builds (or reuses) the workspace in ``--workdir`` (tiny Qwen2, tokenizer, data, reward);
@@ -90,13 +90,15 @@ def run(
     experiment_name: str = "cpu_smoke",
     extra_overrides: list[str] | None = None,
     timeout_s: float | None = None,
+    ranks: int = 1,
 ) -> int:
-    """Build the workspace, run the trainer, return its exit code (124 on timeout)."""
+    """Build the workspace, run the trainer (on ``ranks`` data-parallel ranks), return its exit code (124 on timeout)."""
     from verl_oar.cpu.workspace import build_workspace
 
     ws = build_workspace(workdir)
     overrides = cpu_overrides(
-        ws.root, steps=steps, adv_estimator=adv_estimator, use_v1=use_v1, experiment_name=experiment_name
+        ws.root, steps=steps, adv_estimator=adv_estimator, use_v1=use_v1, experiment_name=experiment_name,
+        ranks=ranks,
     ) + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s)
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--legacy", action="store_true", help="verl's legacy trainer (trainer.use_v1=false)")
     parser.add_argument("--timeout", type=float, default=None, help="stop the trainer after this many seconds")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="data-parallel FSDP2 ranks over gloo, one pretend GPU each (default 1)")
     args, extra = parser.parse_known_args(argv)
     return run(
         args.workdir,
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         experiment_name=args.experiment_name,
         extra_overrides=extra,
         timeout_s=args.timeout,
+        ranks=args.ranks,
     )
 
 

@@ -84,7 +84,7 @@ def cpu_overrides(
         "actor_rollout_ref.actor.entropy_coeff=0",
         f"actor_rollout_ref.actor.fsdp_config.seed={seed}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={rows}",
-        # --- rollout: required: the hf backend (no vLLM/SGLang on CPU), one rank ---
+        # --- rollout: required: the hf backend (no vLLM/SGLang on CPU), one replica per rank ---
         "actor_rollout_ref.rollout.name=hf",
         f"actor_rollout_ref.rollout.n={n}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -124,8 +124,8 @@ def cpu_overrides(
 RAY_ADDRESS_ENV = "VERL_OAR_RAY_ADDRESS"
 """A running Ray cluster (its GCS address, ``host:port``) that CPU runs join instead of starting one each.
 
-Unset (the default), ``main_ppo`` starts a local cluster with one pretend GPU and 8 CPU slots and stops
-it when it exits. Set (the demo and the test session set it, ``verl_oar.cpu.ray_cluster``), ``cpu_overrides`` and
+Unset (the default), ``main_ppo`` starts a local cluster with one pretend GPU per rank and the CPU slots of
+``ray_resources`` (8 for one rank) and stops it when it exits. Set (the demo and the test session set it, ``verl_oar.cpu.ray_cluster``), ``cpu_overrides`` and
 ``launch.run_trainer`` point ``ray.init`` at that cluster, which must have those resources, and
 ``launch.trainer_env`` hands the run's environment to its Ray workers as the job's runtime env (a
 cluster's workers otherwise inherit the cluster's environment, not the run's). Not the standard
@@ -150,6 +150,11 @@ def ray_overrides(address: str | None = None, *, ranks: int = 1) -> list[str]:
             "ray_kwargs.ray_init.num_cpus=null",
             "++ray_kwargs.ray_init.num_gpus=null",
         ]
+    return own_cluster_overrides(ranks)
+
+
+def own_cluster_overrides(ranks: int = 1) -> list[str]:
+    """``ray_kwargs.ray_init`` for a cluster of the run's own (:func:`ray_resources` of ``ranks``)."""
     resources = ray_resources(ranks)
     return [f"+ray_kwargs.ray_init.num_gpus={resources['num_gpus']}", f"ray_kwargs.ray_init.num_cpus={resources['num_cpus']}"]
 

@@ -3,7 +3,7 @@
 
 Each CPU-mode trainer run otherwise starts and stops a Ray cluster of its own (``ray.init()`` in
 verl's ``run_ppo``). Here a holder process -- ``python -m verl_oar.cpu.ray_cluster``, a child of the caller --
-starts one with ``ray.init`` (the resources a CPU run asks for: ``RESOURCES``), prints its GCS
+starts one with ``ray.init`` (the resources a CPU run of ``--ranks`` ranks asks for: ``ray_resources``), prints its GCS
 address, then answers ``leftovers`` on stdin with what is still alive in the cluster: actors,
 placement groups, drivers and held resources of finished runs (a run must leave nothing behind that
 the next run could see: verl's TransferQueue controller, for one, is a named actor in a fixed
@@ -26,10 +26,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from verl_oar.cpu.overrides import RAY_ADDRESS_ENV
+from verl_oar.cpu.overrides import RAY_ADDRESS_ENV, ray_resources
 
-RESOURCES = {"num_cpus": 8, "num_gpus": 1}
-"""what one CPU run's own cluster has (``cpu_overrides``): one pretend GPU, 8 CPU slots for verl's actors"""
+RESOURCES = ray_resources(1)
+"""what a one-rank CPU run's own cluster has (``cpu_overrides``): one pretend GPU, 8 CPU slots for verl's actors"""
 OBJECT_STORE_BYTES = 1 << 30
 """1 GiB: the CPU runs move a tiny model and batches of 16 rows (Ray's default would be 30% of memory)"""
 
@@ -37,7 +37,10 @@ OBJECT_STORE_BYTES = 1 << 30
 class SharedRayCluster:
     """The holder process, seen from its caller."""
 
-    def __init__(self, log: Path):
+    def __init__(self, log: Path, ranks: int = 1):
+        """Start the holder: a cluster with room for one run of up to ``ranks`` ranks at a time (``ray_resources``;
+        a run of fewer ranks takes fewer pretend GPUs and leaves the rest free)."""
+        ray_resources(ranks)  # a bad count is refused here, not in the holder
         env = dict(os.environ)
         # the workers must get CPU mode from each run's job (trainer_env), not from the cluster
         env.pop("VERL_PLATFORM", None)
@@ -46,7 +49,7 @@ class SharedRayCluster:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "verl_oar.cpu.ray_cluster"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            [sys.executable, "-m", "verl_oar.cpu.ray_cluster", "--ranks", str(ranks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             text=True, env=env, start_new_session=True,
         )
         line = self.proc.stdout.readline()
@@ -138,10 +141,10 @@ def _leftovers(own_job: str) -> dict:
     return out
 
 
-def _hold() -> None:
+def _hold(ranks: int = 1) -> None:
     import ray
 
-    ray.init(**RESOURCES, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=False)
+    ray.init(**ray_resources(ranks), object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=False)
     own_job = ray.get_runtime_context().get_job_id()
     address = ray.get_runtime_context().gcs_address
     print(json.dumps({"address": address, "auth_mode": os.environ.get("RAY_AUTH_MODE")}), flush=True)
@@ -152,4 +155,8 @@ def _hold() -> None:
 
 
 if __name__ == "__main__":
-    _hold()
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Hold a local Ray cluster for CPU-mode runs (module docstring).")
+    parser.add_argument("--ranks", type=int, default=1, help="room for runs of up to this many ranks (default 1)")
+    _hold(parser.parse_args().ranks)

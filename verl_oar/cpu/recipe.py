@@ -7,7 +7,8 @@ config and its defaults chain, ``recipes/launch.sh``'s arguments, verl's config 
 start-up checks and ``python -m verl.trainer.main_ppo`` are those of a cluster run. Appended
 overrides (:func:`recipe_cpu_overrides`) change only
 
-- what a CPU machine cannot run: the hf rollout instead of vLLM, one pretend GPU, fp32, SDPA
+- what a CPU machine cannot run: the hf rollout instead of vLLM, pretend GPUs (one per rank, ``--ranks``,
+  default 1; several ranks run FSDP2 over gloo), fp32, SDPA
   attention, no torch.compile, one TransferQueue storage unit (see ``overrides.py`` for why each);
 - the sizes: the tiny model and arithmetic data of the CPU workspace instead of Qwen2.5-Math and
   MATH/GSM8K, 64 + 48 tokens instead of 1024 + 3072, 2 prompts per step in 2 PPO mini-batches
@@ -38,7 +39,8 @@ GPU_ONLY = (
     "vLLM rollout (the copy uses the hf rollout: transformers generate)",
     "Megatron engine (megatron-core needs CUDA; Megatron recipes are composed and validated only)",
     "bf16 mixed precision and flash attention (the copy runs fp32 with SDPA)",
-    "several GPUs and nodes: data parallel sharding, vLLM tensor parallel, Ray placement across nodes",
+    "several nodes and NCCL: Ray placement across nodes, vLLM tensor parallel (the copy runs data-parallel FSDP2 "
+    "ranks over gloo on one node with ``--ranks``)",
     "the real model, data and lengths (Qwen2.5-Math, MATH/GSM8K, 1024 + 3072 tokens) and their memory",
     "validation on the evaluation sets and checkpoint saving",
 )
@@ -53,10 +55,20 @@ def has_teacher(recipe: str, recipes_dir: Path = RECIPES_DIR) -> bool:
     return OmegaConf.select(own, "algorithm.oppo.oracle", default="self") == "teacher"
 
 
+RECIPE_COPY_PROMPTS = 2
+"""prompts per step of a recipe's CPU copy, in two PPO mini-batches of one prompt"""
+RECIPE_N = 8
+"""responses per prompt of every recipe (``math_grpo.yaml``: ``rollout.n``), which the CPU copy keeps"""
+
+
 def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experiment_name: str,
-                         teacher: bool = False) -> list[str]:
+                         teacher: bool = False, ranks: int = 1) -> list[str]:
     """Overrides appended after a recipe's own, turning it into a CPU run over the CPU workspace (``teacher``:
-    OPPO's teacher becomes the workspace model, i.e. the actor's starting weights)."""
+    OPPO's teacher becomes the workspace model, i.e. the actor's starting weights; ``ranks``: data-parallel
+    ranks, as ``overrides.cpu_overrides``; a PPO mini-batch's 8 rows must split over them)."""
+    from verl_oar.cpu.overrides import check_ranks, own_cluster_overrides
+
+    check_ranks(ranks, rows=RECIPE_COPY_PROMPTS * RECIPE_N, mini_batch_rows=RECIPE_N)
     ws = Path(workspace_dir).expanduser().resolve()
     fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
     return ([f"algorithm.oppo.teacher.path={ws / 'model'}"] if teacher else []) + [
@@ -64,7 +76,7 @@ def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experi
         f"actor_rollout_ref.model.path={ws / 'model'}",
         f"data.train_files={ws / 'data' / 'train.parquet'}",
         f"data.val_files={ws / 'data' / 'val.parquet'}",
-        "data.train_batch_size=2",
+        f"data.train_batch_size={RECIPE_COPY_PROMPTS}",
         "actor_rollout_ref.actor.ppo_mini_batch_size=1",
         "data.max_prompt_length=64",
         "data.max_response_length=48",
@@ -83,11 +95,10 @@ def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experi
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "reward.num_workers=1",
         "trainer.device=cpu",
-        "trainer.n_gpus_per_node=1",
+        f"trainer.n_gpus_per_node={ranks}",
         "trainer.nnodes=1",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        "+ray_kwargs.ray_init.num_gpus=1",
-        "ray_kwargs.ray_init.num_cpus=8",
+        *own_cluster_overrides(ranks),  # run_trainer appends the joining ones under $VERL_OAR_RAY_ADDRESS
         # --- a short run: no validation, no checkpoints, local logging ---
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
@@ -115,8 +126,9 @@ def run(
     extra_overrides: list[str] | None = None,
     timeout_s: float | None = None,
     recipes_dir: Path = RECIPES_DIR,
+    ranks: int = 1,
 ) -> int:
-    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk; return its exit code."""
+    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk (on ``ranks`` ranks); return its exit code."""
     from verl_oar.cpu.workspace import build_workspace
 
     names = recipe_names(recipes_dir)
@@ -131,7 +143,7 @@ def run(
     experiment_name = experiment_name or f"cpu_{recipe}"
     script = recipes_dir / f"run_{recipe}.sh"
     cmd = ["bash", str(script), *recipe_cpu_overrides(ws.root, steps=steps, experiment_name=experiment_name,
-                                                      teacher=has_teacher(recipe, recipes_dir))]
+                                                      teacher=has_teacher(recipe, recipes_dir), ranks=ranks)]
     cmd += list(extra_overrides or [])
     os.environ.setdefault("PYTHON", sys.executable)  # launch.sh's interpreter: this environment's
     os.environ.setdefault("DATA_DIR", str(ws.root / "data"))
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"CPU workspace (default {DEFAULT_WORKDIR})")
     parser.add_argument("--experiment-name", default=None, help="names the metrics file (default cpu_<recipe>)")
     parser.add_argument("--timeout", type=float, default=None, help="stop the trainer after this many seconds")
+    parser.add_argument("--ranks", type=int, default=1, help="data-parallel FSDP2 ranks over gloo (default 1)")
     args, extra = parser.parse_known_args(argv)
     return run(
         args.recipe,
@@ -156,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         experiment_name=args.experiment_name,
         extra_overrides=extra,
         timeout_s=args.timeout,
+        ranks=args.ranks,
     )
 
 

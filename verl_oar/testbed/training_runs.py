@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verl_oar.cpu.launch import stop_process_group, trainer_env
-from verl_oar.cpu.overrides import cpu_overrides
+from verl_oar.cpu.overrides import check_ranks, cpu_overrides
 from verl_oar.testbed.methods import method as method_entry
 from verl_oar.testbed.workspace import Testbed, max_response_tokens
 
@@ -85,6 +85,7 @@ def run_overrides(
     response_length = max_response_tokens(bed.spec)
     test_freq = settings.val_every if settings.val_every > 0 else settings.steps
     mini_batch = settings.mini_batch_size or settings.batch_size
+    check_ranks(settings.ranks, rows=settings.batch_size * settings.n, mini_batch_rows=mini_batch * settings.n)
     out = cpu_overrides(
         bed.root,
         steps=settings.steps,
