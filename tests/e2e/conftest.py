@@ -8,11 +8,16 @@ import pytest
 from verl_oar.cpu.ray_cluster import SharedRayCluster
 
 
+MAX_RANKS = 2
+"""the most ranks a launch here runs on (test_two_ranks_on_cpu.py): the session's cluster has room for them (two
+pretend GPUs, 11 CPU slots); a one-rank run takes one GPU's bundle and leaves the rest free"""
+
+
 @pytest.fixture(scope="session")
 def shared_ray_cluster(tmp_path_factory):
     """The session's Ray cluster; trainer launches join it through ``$VERL_OAR_RAY_ADDRESS`` (and the
     cluster's ``$RAY_AUTH_MODE``), set here for the session."""
-    cluster = SharedRayCluster(tmp_path_factory.mktemp("shared_ray") / "holder.log")
+    cluster = SharedRayCluster(tmp_path_factory.mktemp("shared_ray") / "holder.log", ranks=MAX_RANKS)
     with pytest.MonkeyPatch.context() as mp:
         for key, value in cluster.env.items():
             mp.setenv(key, value)
