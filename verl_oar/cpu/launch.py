@@ -92,7 +92,8 @@ def run(
     timeout_s: float | None = None,
     ranks: int = 1,
 ) -> int:
-    """Build the workspace, run the trainer (on ``ranks`` data-parallel ranks), return its exit code (124 on timeout)."""
+    """Build the workspace, run the trainer on ``ranks`` data-parallel ranks, return its exit code (124 on
+    timeout)."""
     from verl_oar.cpu.workspace import build_workspace
 
     ws = build_workspace(workdir)

@@ -125,11 +125,11 @@ RAY_ADDRESS_ENV = "VERL_OAR_RAY_ADDRESS"
 """A running Ray cluster (its GCS address, ``host:port``) that CPU runs join instead of starting one each.
 
 Unset (the default), ``main_ppo`` starts a local cluster with one pretend GPU per rank and the CPU slots of
-``ray_resources`` (8 for one rank) and stops it when it exits. Set (the demo and the test session set it, ``verl_oar.cpu.ray_cluster``), ``cpu_overrides`` and
-``launch.run_trainer`` point ``ray.init`` at that cluster, which must have those resources, and
-``launch.trainer_env`` hands the run's environment to its Ray workers as the job's runtime env (a
-cluster's workers otherwise inherit the cluster's environment, not the run's). Not the standard
-``RAY_ADDRESS``: recipes/launch.sh takes that one for ``ray job submit`` to a dashboard. Runs must not
+``ray_resources`` (8 for one rank) and stops it when it exits. Set (the demo and the test session set it,
+``verl_oar.cpu.ray_cluster``), ``cpu_overrides`` and ``launch.run_trainer`` point ``ray.init`` at that cluster,
+which must have those resources, and ``launch.trainer_env`` hands the run's environment to its Ray workers as
+the job's runtime env (a cluster's workers otherwise inherit the cluster's environment, not the run's). Not the
+standard ``RAY_ADDRESS``: recipes/launch.sh takes that one for ``ray job submit`` to a dashboard. Runs must not
 overlap in one cluster: verl's TransferQueue controller is a named actor in a fixed namespace."""
 
 
@@ -156,7 +156,8 @@ def ray_overrides(address: str | None = None, *, ranks: int = 1) -> list[str]:
 def own_cluster_overrides(ranks: int = 1) -> list[str]:
     """``ray_kwargs.ray_init`` for a cluster of the run's own (:func:`ray_resources` of ``ranks``)."""
     resources = ray_resources(ranks)
-    return [f"+ray_kwargs.ray_init.num_gpus={resources['num_gpus']}", f"ray_kwargs.ray_init.num_cpus={resources['num_cpus']}"]
+    return [f"+ray_kwargs.ray_init.num_gpus={resources['num_gpus']}",
+            f"ray_kwargs.ray_init.num_cpus={resources['num_cpus']}"]
 
 
 CPU_SLOTS_PER_RANK = 3

@@ -49,7 +49,8 @@ class SharedRayCluster:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "verl_oar.cpu.ray_cluster", "--ranks", str(ranks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            [sys.executable, "-m", "verl_oar.cpu.ray_cluster", "--ranks", str(ranks)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             text=True, env=env, start_new_session=True,
         )
         line = self.proc.stdout.readline()
@@ -144,7 +145,8 @@ def _leftovers(own_job: str) -> dict:
 def _hold(ranks: int = 1) -> None:
     import ray
 
-    ray.init(**ray_resources(ranks), object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=False)
+    ray.init(**ray_resources(ranks), object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
+             log_to_driver=False)
     own_job = ray.get_runtime_context().get_job_id()
     address = ray.get_runtime_context().gcs_address
     print(json.dumps({"address": address, "auth_mode": os.environ.get("RAY_AUTH_MODE")}), flush=True)

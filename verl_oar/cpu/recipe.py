@@ -128,7 +128,8 @@ def run(
     recipes_dir: Path = RECIPES_DIR,
     ranks: int = 1,
 ) -> int:
-    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk (on ``ranks`` ranks); return its exit code."""
+    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk, on ``ranks`` ranks; return its exit
+    code."""
     from verl_oar.cpu.workspace import build_workspace
 
     names = recipe_names(recipes_dir)
