@@ -201,6 +201,25 @@ def test_run_overrides_compose_validate_and_differ_only_where_they_should(tiny_b
         assert diff and diff <= seed_keys, diff
 
 
+def test_run_overrides_on_two_ranks_split_each_mini_batch_over_them(tiny_bed, tmp_path):
+    """``RunSettings.ranks``: the testbed's runs on several FSDP2 ranks (tests/e2e/test_two_ranks_on_cpu.py has the
+    launches), each rank's micro-batch its share of a mini-batch; a split that cannot be even is refused."""
+    from _verl_config import compose_ppo_config
+
+    from verl_oar.testbed.training_runs import RunSettings, run_overrides
+
+    def compose(settings):
+        return compose_ppo_config(run_overrides(tiny_bed, "oar_g", 0, settings, neutral_id=32, name="x",
+                                                val_file=tmp_path / "v.parquet"))
+
+    one, two = compose(RunSettings(mini_batch_size=4)), compose(RunSettings(mini_batch_size=4, ranks=2))
+    assert two.trainer.n_gpus_per_node == 2 and two.ray_kwargs.ray_init.num_gpus in (2, None)  # None: a joined cluster
+    micro = (c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu for c in (one, two))
+    assert next(micro) == 2 * next(micro)
+    with pytest.raises(ValueError, match="rows per PPO mini-batch do not split evenly over ranks=3"):
+        compose(RunSettings(batch_size=6, mini_batch_size=2, n=4, ranks=3))
+
+
 def test_quick_poll_replay_buffer_is_verls_with_a_short_poll():
     from omegaconf import OmegaConf
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
