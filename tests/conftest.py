@@ -19,8 +19,8 @@ E2E_LONGEST_FIRST = (
     "e2e/test_recipes_on_cpu.py", "e2e/test_bf16_e2e_on_cpu.py",
 )
 """the trainer-launch modules, longest first (5 + verl's tests, 3, 3, 3, 2, 2, 1 and 1 launches; about 255, -, 225, 225,
-135, 110, 57 and 46 s in the full run on 2 cores of an Intel Xeon; test_two_ranks took 307 s alone on 2 loaded cores of
-an AMD EPYC (launches of 114, 73 and 79 s); an AMD EPYC took 1.25-1.6x longer per module in an
+135, 110, 57 and 46 s in the full run on 2 cores of an Intel Xeon; test_two_ranks took 392 s alone on 2 loaded cores of
+an AMD EPYC (launches of 91-174 s); an AMD EPYC took 1.25-1.6x longer per module in an
 earlier run, when the series module had one launch fewer)"""
 
 HEAVY_NON_LAUNCH_FIRST = (

@@ -11,7 +11,9 @@ launches:
 
 1. OAR-G on two ranks, its rollouts served by one hf replica (``rollout.tensor_model_parallel_size=2``: verl makes
    world size / TP replicas), so that it samples exactly the responses of
-2. OAR-G on one rank (the hf rollout seeds each request by its replica, ``cpu/hf_rollout.py``);
+2. OAR-G on one rank (the hf rollout seeds each request by its replica, ``cpu/hf_rollout.py``); both update on the
+   whole step as one PPO mini-batch (the copy's two mini-batches would hold other rows on two ranks: verl forms each
+   rank's mini-batches from its own share, so the updates could not be compared);
 3. OAR-P on two ranks, one hf replica per rank (the default).
 
 Each rank writes the rows it scored (``$VERL_OAR_RANK_DUMP_DIR``, ``engines/rank_dump.py``), the trainer the whole
@@ -29,8 +31,14 @@ blocked and summed in another order: float32 rounding, which ``noisy_kl`` -- a K
 magnifies to ~3e-5 relative (tests/e2e/test_resume_on_cpu.py measured that from row order alone). Masks come from token
 ids and GRPO advantages from rewards: exact. OAR weights and advantages follow from importance through its quantiles:
 equal to rounding unless a rounding difference swaps two nearly tied tokens around a quantile, which would fail here
-loudly. Measured on 2 loaded cores of an AMD EPYC: importance 2.5e-7, weights 4.3e-6, advantages 1.5e-6 (max absolute
-differences, values up to 0.09, 2.4 and 5.5), at the recipes' own token budget; see the printed line for this run's.
+loudly. Measured on 2 loaded cores of an AMD EPYC: importance 3.0e-8, weights 2.4e-6, advantages 8.3e-7 (max absolute
+differences; values up to 0.09, 2.4 and 5.5); at the recipes' own token budget (one micro-batch per rank) 2.5e-7,
+4.3e-6 and 1.5e-6; see the printed line for this run's.
+
+The update is where the ranks do reduce: FSDP2 reduce-scatters (sums) the two ranks' gradients, each the gradient of
+verl's loss normalised by the global token count (``batch_num_tokens`` x ``dp_size``), where one rank sums the same
+rows' terms in one backward. So ``actor/pg_loss`` and ``actor/grad_norm`` agree to rtol 1e-5 (float32 sums of two
+partial sums in another order; measured: grad norm bit-equal, pg_loss 2.7e-7 relative).
 
 Marked slow: three launches, about 1.5-3 minutes each on 2 loaded cores.
 """
@@ -53,14 +61,20 @@ SMALL_MICRO_BATCHES = (
     f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={TOKEN_BUDGET}",
 )
 ONE_REPLICA = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
+ONE_MINI_BATCH = "actor_rollout_ref.actor.ppo_mini_batch_size=2"
+"""the step's 2 prompts in one PPO mini-batch, so that both runs update on the same rows"""
+UPDATE_METRICS = ("actor/pg_loss", "actor/grad_norm")
+"""the update's metrics the one-rank and two-rank runs must agree on (rtol 1e-5, module docstring)"""
 PER_TOKEN = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask")
 EXACT = ("oar_reasoning_mask", "oar_answer_mask", "grpo_advantages", "fallback")
 TOLERANCE = {"oar_importance": (1e-4, 1e-7), "weights": (1e-4, 1e-6), "advantages": (1e-4, 1e-6)}
 """field -> (rtol, atol) of the one-rank equality (module docstring)"""
 
 
-def _launch(workspace: Path, out: Path, estimator: str, ranks: int, *extra: str, monkeypatch) -> tuple[Path, float]:
-    """One step of the estimator's recipe copy on ``ranks`` ranks; returns the run's folder and wall time (s)."""
+def _launch(workspace: Path, out: Path, estimator: str, ranks: int, *extra: str,
+            monkeypatch) -> tuple[Path, dict, float]:
+    """One step of the estimator's recipe copy on ``ranks`` ranks; returns the run's folder, its step's metrics and
+    its wall time (s)."""
     from _e2e import CONTENT_ORDERED_SAMPLER, check_recipe_records, launch_recipe
 
     from verl_oar.cpu.launch import read_metrics
@@ -83,7 +97,7 @@ def _launch(workspace: Path, out: Path, estimator: str, ranks: int, *extra: str,
     records = read_metrics(metrics_file(workspace, run.name))
     assert [r["step"] for r in records] == [STEP], text[-3000:]
     check_recipe_records(records, estimator)
-    return run, wall
+    return run, records[0]["data"], wall
 
 
 def _check_each_rank_scored_its_own_rows(run: Path, method: str, ranks: int, *, fused: bool) -> None:
@@ -121,23 +135,28 @@ def _check_each_rank_scored_its_own_rows(run: Path, method: str, ranks: int, *, 
 def test_oar_g_on_two_ranks_scores_each_ranks_rows_and_equals_one_rank(cpu_workspace_dir, tmp_path, monkeypatch):
     from _e2e import compare_dumped_steps
 
-    two, wall_two = _launch(cpu_workspace_dir, tmp_path, "oar_g", 2, ONE_REPLICA, monkeypatch=monkeypatch)
+    two, two_metrics, wall_two = _launch(cpu_workspace_dir, tmp_path, "oar_g", 2, ONE_REPLICA, ONE_MINI_BATCH,
+                                         monkeypatch=monkeypatch)
     _check_each_rank_scored_its_own_rows(two, "gradient", 2, fused=True)
-    one, wall_one = _launch(cpu_workspace_dir, tmp_path, "oar_g", 1, monkeypatch=monkeypatch)
+    one, one_metrics, wall_one = _launch(cpu_workspace_dir, tmp_path, "oar_g", 1, ONE_MINI_BATCH,
+                                         monkeypatch=monkeypatch)
     _check_each_rank_scored_its_own_rows(one, "gradient", 1, fused=True)
     # the same rollouts (compare_dumped_steps asserts that first), then the same step within TOLERANCE
     diffs = compare_dumped_steps(one, two, [STEP], EXACT)
     for field, (rtol, atol) in TOLERANCE.items():
         diffs[STEP].update(compare_dumped_steps(one, two, [STEP], (field,), rtol=rtol, atol=atol)[STEP])
-    print(f"[two ranks] OAR-G, one rank vs two, step {STEP}: max |difference| {diffs[STEP]}; "
-          f"wall {wall_one:.0f} s (1 rank), {wall_two:.0f} s (2 ranks)")
+    update = {k: (one_metrics[k], two_metrics[k]) for k in UPDATE_METRICS}
+    print(f"[two ranks] OAR-G, one rank vs two, step {STEP}: max |difference| {diffs[STEP]}; update (one, two) "
+          f"{update}; wall {wall_one:.0f} s (1 rank), {wall_two:.0f} s (2 ranks)")
+    for name, (a, b) in update.items():  # the update, where the ranks' gradients are summed
+        assert b == pytest.approx(a, rel=1e-5), (name, a, b)
 
 
 @pytest.mark.slow
 def test_oar_p_on_two_ranks_scores_each_ranks_rows(cpu_workspace_dir, tmp_path, monkeypatch):
     from _e2e import RECIPE_PERTURB_BUDGET
 
-    run, _ = _launch(cpu_workspace_dir, tmp_path, "oar_p", 2, monkeypatch=monkeypatch)
+    run, _, _ = _launch(cpu_workspace_dir, tmp_path, "oar_p", 2, monkeypatch=monkeypatch)
     _check_each_rank_scored_its_own_rows(run, "perturbation", 2, fused=False)
     step = torch.load(run / "dump" / f"step_{STEP}.pt")
     for row, reasoning in zip(step["oar_importance"], step["oar_reasoning_mask"].bool(), strict=True):
