@@ -28,10 +28,12 @@ DEFAULT_WORKDIR = Path(os.environ.get("VERL_OAR_REAL_WORKDIR", "~/.cache/verl_oa
 
 def real_model_overrides(model_dir: str | os.PathLike, task_dir: str | os.PathLike, *, steps: int,
                          adv_estimator: str = "grpo", n: int = 4, batch_size: int = 4, max_prompt_length: int = 256,
-                         max_response_length: int = 128, lr: float = 1e-6, seed: int = 0,
+                         max_response_length: int = 128, lr: float = 1e-6, seed: int = 0, micro_batch: int = 4,
                          experiment_name: str = "real_model") -> list[str]:
     """Hydra overrides of a CPU run of ``model_dir`` on the task in ``task_dir`` (``train.parquet``,
-    ``test.parquet``): the CPU mode's, then the model, data and reward. Lengths in tokens; ``lr`` AdamW's."""
+    ``test.parquet``): the CPU mode's, then the model, data and reward. Lengths in tokens; ``lr`` AdamW's;
+    ``micro_batch`` sequences per forward (every pass: the fp32 logits over SmolLM2's 49,152-token vocabulary
+    and their gradient dominate the peak memory, ~0.75 GB per 16 sequences of 256 tokens and copy)."""
     task = Path(task_dir).resolve()
     return [
         *cpu_overrides(task, steps=steps, n=n, batch_size=batch_size, adv_estimator=adv_estimator,
@@ -44,6 +46,9 @@ def real_model_overrides(model_dir: str | os.PathLike, task_dir: str | os.PathLi
         "reward.custom_reward_function.name=compute_score",
         # packed sequences attend through a dense block-diagonal mask on CPU (docs/cpu-mode.md)
         "actor_rollout_ref.model.use_remove_padding=False",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro_batch}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_batch}",
     ]
 
 
