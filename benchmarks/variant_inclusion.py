@@ -1,7 +1,7 @@
 """The study's inclusion check of a built pick_max variant (docs/study.md, amendment 1): on all 200 held-out
 prompts, with two sampling seeds, sampled accuracy at most 0.6 and answer rate at least 0.95.
 
-    python benchmarks/variant_inclusion.py fill64 [--seeds 0,1] [--out benchmarks/results_variant_inclusion_fill64_cpu.json]
+    python benchmarks/variant_inclusion.py fill64 [--seeds 0,1] [--out FILE.json]
 
 Per seed, ``testbed.workspace.sample_statistics`` (the build's own statistics, one sampled and one greedy response
 per prompt) on the variant's committed model; the verdict needs both seeds inside the bounds. One torch thread.
