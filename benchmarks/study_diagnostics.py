@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "study")
     p.add_argument("--table", type=Path, help="print docs/study.md's table from this diagnostics file instead")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results_study_cpu.json")
+    p.add_argument("--add", action="store_true",
+                   help="keep --out's methods that the scratch directory no longer has; add (or replace) the ones it has")
     args = p.parse_args(argv)
     if args.table:
         print(table(json.loads(args.table.read_text()), json.loads(args.results.read_text())))
@@ -117,9 +119,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"study_diagnostics.py: no finished evaluation run of {args.task} at lr {args.lr:g} under "
                          f"{args.runs_dir / 'eval' / args.task} (the metric files are scratch: they exist only on "
                          "the machine that ran the study)")
+    command = f"python benchmarks/study_diagnostics.py --task {args.task} --lr {args.lr:g} --out {args.out}"
+    commands = [command]
+    if args.add and args.out.exists():
+        kept = json.loads(args.out.read_text())
+        if (kept["task"], kept["lr"]) != (args.task, args.lr):
+            raise SystemExit(f"study_diagnostics.py: {args.out} holds {kept['task']} at lr {kept['lr']:g}, not "
+                             f"{args.task} at {args.lr:g}; --add only extends a file of the same task and rate")
+        runs = {**kept["runs"], **runs}
+        commands = kept.get("commands", [kept["command"]]) + [command + " --add"]
     result = {"what": "docs/study.md: verl's per-step metrics of the study's evaluation runs (benchmarks/"
                       "study_diagnostics.py)",
-              "command": f"python benchmarks/study_diagnostics.py --task {args.task} --lr {args.lr:g} --out {args.out}",
+              "command": commands[0], "commands": commands,
               "machine": {"platform": platform.platform(), "python": platform.python_version()},
               "task": args.task, "lr": args.lr, "metrics": list(METRICS), "runs": runs}
     args.out.write_text(json.dumps(result, separators=(",", ":")) + "\n")
