@@ -134,6 +134,7 @@ def _patch_current_device(module: Any) -> None:
 
 
 # 3. the causal mask -------------------------------------------------------------------------------
+# a megatron-core bug, unlike the other four; its upstream fix: upstream/megatron-core-0.16.1/01-causal-mask-device/
 
 
 def _patch_causal_mask(module: Any) -> None:
