@@ -76,6 +76,7 @@ def test_the_series_is_for_the_installed_megatron_core():
     assert (PR / "PR.md").is_file() and list(PR.glob("*.patch")) and REPRO.is_file()
 
 
+@pytest.mark.slow  # two fresh megatron-core imports side by side: 22-54 s on 2 busy cores
 def test_the_repro_fails_on_the_installed_megatron_core_as_pr_md_says(repro_runs):
     code, out, core = repro_runs["installed"]
     assert f"from {core / '__init__.py'} " in out, out
@@ -90,6 +91,7 @@ def test_the_repro_fails_on_the_installed_megatron_core_as_pr_md_says(repro_runs
         f"the repro fails otherwise than {PR.relative_to(ROOT)}/PR.md shows:\n{out}")
 
 
+@pytest.mark.slow  # two fresh megatron-core imports side by side: 22-54 s on 2 busy cores
 def test_the_repro_passes_with_the_patch_applied(repro_runs):
     code, out, core = repro_runs["patched"]
     assert f"from {core / '__init__.py'} " in out, out
