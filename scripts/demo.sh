@@ -3,8 +3,8 @@
 # on CPU, from the committed start, one seed; the credit each assigned, the importance estimators
 # against the oracle, and an HTML report in ./oar_demo (about 10 minutes on 2 cores).
 # Flags go to python -m verl_oar.testbed.demo (--help lists them: seeds, steps, methods, validation).
-# `--real` runs the real-model demo instead (python -m verl_oar.app.real_demo; SmolLM2-135M-Instruct, about 15
-# minutes on 2 cores): training steps of GRPO and OAR-G, the counterfactual test on a handful of its responses,
+# `--real` runs the real-model demo instead (python -m verl_oar.app.real_demo; SmolLM2-135M-Instruct, up to 30
+# minutes on 2 cores and 16 GB of memory): training steps of GRPO and OAR-G, the counterfactual test on a handful of its responses,
 # heatmaps, an HTML report in ./oar_real_demo; the flags after --real go to it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,7 +18,8 @@ In order, each stage printed with a progress bar:
 5. ``summary.json`` and ``index.html`` in ``--out``, the report rendered from the summary.
 
 A handful of responses shows what the measurement is, not a result: the committed test of 125 responses is
-``benchmarks/real_model_counterfactual.py`` (docs/real-model.md). About 15 minutes on 2 cores at the defaults.
+``benchmarks/real_model_counterfactual.py`` (docs/real-model.md). At the defaults: 31 minutes on 2 cores shared with
+other jobs; plan on 16 GB of free memory.
 """
 
 from __future__ import annotations
