@@ -25,6 +25,7 @@ OWN = {
     ("cpu/hf_rollout.py", "_pending"): "HFServer's own queue",
     ("cpu/hf_rollout.py", "_server_task"): "HFServer's own task",
     ("engines/megatron/__init__.py", "_rows"): "its own helper",
+    ("engines/rank_dump.py", "_rank"): "the dump's file name (step_{step}_{method}_rank{rank}.pt), not verl's name",
     ("integration/importance_signal.py", "_router_replay"): "its own helper",
     ("integration/memory_check.py", "_attn_implementation"): "transformers' config attribute (not verl's)",
     ("integration/privileged_signal.py", "_rows"): "its own helper",
