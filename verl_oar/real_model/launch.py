@@ -53,8 +53,9 @@ def real_model_overrides(model_dir: str | os.PathLike, task_dir: str | os.PathLi
 
 
 def run(workdir: Path, *, steps: int, adv_estimator: str, extra_overrides: list[str] | None = None,
-        timeout_s: float | None = None, experiment_name: str = "real_model") -> tuple[int, Path]:
-    """Prepare, write the task, train; (the trainer's exit code, its metric file)."""
+        timeout_s: float | None = None, experiment_name: str = "real_model", **settings) -> tuple[int, Path]:
+    """Prepare, write the task, train; (the trainer's exit code, its metric file). ``settings``: the keyword
+    arguments of :func:`real_model_overrides` (``n``, ``batch_size``, ``lr``, ``seed``, ...)."""
     import sys
 
     from verl_oar.cpu.launch import run_trainer
@@ -65,7 +66,7 @@ def run(workdir: Path, *, steps: int, adv_estimator: str, extra_overrides: list[
     task_dir = Path(workdir) / "task"
     write(task_dir, TASK)
     overrides = real_model_overrides(model, task_dir, steps=steps, adv_estimator=adv_estimator,
-                                     experiment_name=experiment_name) + list(extra_overrides or [])
+                                     experiment_name=experiment_name, **settings) + list(extra_overrides or [])
     overrides.append(f"trainer.default_local_dir={Path(workdir).resolve() / 'checkpoints'}")
     metrics = metrics_file(task_dir, experiment_name)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
