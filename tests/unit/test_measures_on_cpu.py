@@ -16,6 +16,7 @@ from verl_oar.testbed.measures import (
     bootstrap,
     curve_auc,
     paired_bootstrap,
+    resample_indices,
     steps_to_threshold_censored,
 )
 
@@ -162,3 +163,15 @@ def test_bad_inputs_raise_clear_errors():
             bootstrap([0.1, 0.2], level=level)
     with pytest.raises(ValueError, match="resamples"):
         bootstrap([0.1, 0.2], resamples=0)
+
+
+def test_resample_indices_are_randranges_draws():
+    """The bootstrap's resamples (``resample_indices``) are ``rng.randrange(n)`` n times, draw for draw, so the
+    intervals stay those the module docstring defines (and the committed results hold): sizes around powers of 2,
+    where the rejection loop differs most, and a stream of many resamples (the rng's state carries over)."""
+    for n in (1, 2, 3, 5, 7, 8, 9, 16, 17, 18, 31, 33, 100):
+        for seed in (0, 1, 12345):
+            ours, theirs = random.Random(seed), random.Random(seed)
+            for _ in range(200):
+                assert resample_indices(ours, n) == [theirs.randrange(n) for _ in range(n)], (n, seed)
+            assert ours.getstate() == theirs.getstate()

@@ -28,7 +28,13 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from verl_oar.testbed.measures import bootstrap, curve_auc, paired_bootstrap, steps_to_threshold_censored
+from verl_oar.testbed.measures import (
+    bootstrap,
+    curve_auc,
+    paired_bootstrap,
+    resample_indices,
+    steps_to_threshold_censored,
+)
 
 THRESHOLD, WINDOW = 0.8, 3
 VAL_EVERY = 4
@@ -268,7 +274,7 @@ def h5_slopes(cells_by_task: Mapping[str, Mapping[str, tuple]]) -> dict:
             ys = []
             for ms, bs in series:
                 n = len(ms)
-                ys.append(effect(ms, bs, [rng.randrange(n) for _ in range(n)]))
+                ys.append(effect(ms, bs, resample_indices(rng, n)))
             slopes.append(_slope(xs, ys))
         slopes.sort()
         a, last = 0.025, len(slopes) - 1
@@ -412,7 +418,7 @@ def effect_difference(longer: tuple, shorter: tuple) -> dict:
     estimate = effect(ml, bl, range(len(ml))) - effect(mshort, bshort, range(len(mshort)))
     rng, diffs = random.Random(RNG_SEED), []
     for _ in range(RESAMPLES):
-        draws = [[rng.randrange(len(ms)) for _ in ms] for ms, _ in series]
+        draws = [resample_indices(rng, len(ms)) for ms, _ in series]
         diffs.append(effect(ml, bl, draws[0]) - effect(mshort, bshort, draws[1]))
     diffs.sort()
     last = len(diffs) - 1
