@@ -332,3 +332,36 @@ def test_runners_phase_compares_each_method_with_its_main_ppo_twin_on_the_same_s
     assert c["steps_difference"]["estimate"] == pytest.approx((sum(twin) - sum(fast)) / 6)
     assert c["relative_steps"]["estimate"] == pytest.approx((sum(twin) - sum(fast)) / sum(fast))
     assert sa.analyse_runners(_tuned("fill32")) == {}
+
+
+def test_the_sd_ratios_stdev_is_statistics_stdev_bit_for_bit():
+    """The SD ratios' bootstraps take each resample's standard deviation in integer arithmetic
+    (``_resampled_stdev``); it must be ``statistics.stdev`` of the same values, bit for bit, or the committed tables
+    would move: steps (integers, censored ones too), AUCs and finals (fractions of a held-out set), values far apart in
+    scale, a constant resample (0), and non-finite values (left to ``statistics.stdev``)."""
+    import statistics
+
+    rng = random.Random(5)
+    lists = [
+        [float(rng.randrange(4, 65)) for _ in range(18)],
+        [rng.randrange(200) / 200 for _ in range(12)],
+        [rng.random() * 10 ** rng.randrange(-8, 9) for _ in range(9)],
+        [0.1, 0.1, 0.1, 0.30000000000000004, 1e-300, 3.5, 7],
+        [2.0, 2.0, 2.0],
+    ]
+    for values in lists:
+        stdev = sa._resampled_stdev(values)
+        for _ in range(2000):
+            idx = [rng.randrange(len(values)) for _ in values]
+            assert stdev(idx) == statistics.stdev(values[i] for i in idx), (values, idx)
+
+    def outcome(f):
+        try:
+            return repr(f())
+        except Exception as e:  # what stdev does with non-finite values (3.11.7: an AttributeError for NaN)
+            return type(e).__name__
+
+    for bad in ([1.0, float("inf"), 2.0], [1.0, float("nan"), 2.0]):
+        assert outcome(lambda: sa._resampled_stdev(bad)([0, 1, 2])) == outcome(lambda: statistics.stdev(bad))
+    with pytest.raises(statistics.StatisticsError):
+        sa._resampled_stdev([1.0, 2.0])([0])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 
 from verl_oar.testbed.measures import (
@@ -163,6 +164,48 @@ def relative_steps(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *
     return bootstrap(list(range(len(seeds))), statistic=rel, resamples=RESAMPLES, seed=RNG_SEED, level=level).as_dict()
 
 
+_SQRT_BITS = 2 * sys.float_info.mant_dig + 3
+"""the guard bits of ``statistics``' correctly rounded square root of a fraction (Python 3.11's ``_sqrt_bit_width``)"""
+
+
+def _sqrt_of_fraction(n: int, m: int) -> float:
+    """sqrt(n / m) correctly rounded to a float (n >= 0, m > 0): round-to-odd on an integer square root with
+    ``_SQRT_BITS`` guard bits, as ``statistics.stdev`` takes it (Python >= 3.11, ``_float_sqrt_of_frac``)."""
+    q = (n.bit_length() - m.bit_length() - _SQRT_BITS) // 2
+    if q >= 0:
+        m <<= 2 * q
+        a = math.isqrt(n // m)
+        return ((a | (a * a * m != n)) << q) / 1
+    n <<= -2 * q
+    a = math.isqrt(n // m)
+    return (a | (a * a * m != n)) / (1 << -q)
+
+
+def _resampled_stdev(values: Sequence[float]):
+    """``idx -> statistics.stdev(values[i] for i in idx)``, bit for bit, in integer arithmetic. ``stdev`` (Python >=
+    3.11) is the correctly rounded square root of the exact sample variance, which it sums in fractions; here every
+    value is an integer multiple of one power of 2 (its exact ratio, scaled once), so a resample's variance is a
+    ratio of two integers, reduced as ``Fraction`` reduces it. The SD ratios' bootstraps spent most of the study
+    analysis's time in ``stdev``'s fractions. Non-finite values: ``statistics.stdev`` itself."""
+    if not all(math.isfinite(v) for v in values):
+        return lambda idx: statistics.stdev(values[i] for i in idx)
+    ratios = [float(v).as_integer_ratio() for v in values]  # (numerator, power-of-2 denominator)
+    scale = max(d for _, d in ratios)
+    ints = [n * (scale // d) for n, d in ratios]
+    squares = [x * x for x in ints]
+
+    def stdev(idx: Sequence[int]) -> float:
+        n = len(idx)
+        if n < 2:
+            raise statistics.StatisticsError("stdev requires at least two data points")
+        sx, sxx = sum(map(ints.__getitem__, idx)), sum(map(squares.__getitem__, idx))
+        num, den = n * sxx - sx * sx, n * (n - 1) * scale * scale  # variance = num / den, exactly
+        g = math.gcd(num, den)
+        return _sqrt_of_fraction(num // g, den // g)
+
+    return stdev
+
+
 def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *, level: float) -> dict:
     """Method vs baseline on their common seeds (paired; every pair, stopped runs included): relative change of mean
     steps (interval at ``level``), AUC and final differences (95%), SD ratios of AUC and of steps (95%), censored
@@ -172,11 +215,13 @@ def compare_cells(method: Mapping[int, Mapping], base: Mapping[int, Mapping], *,
     rel = _relative_steps_statistic(ms, bs)
 
     def sd_ratio(values_m: Sequence[float], values_b: Sequence[float]):
+        stdev_m, stdev_b = _resampled_stdev(values_m), _resampled_stdev(values_b)
+
         def stat(idx: Sequence[int]) -> float:
-            sb = statistics.stdev(values_b[i] for i in idx)
+            sb = stdev_b(idx)
             if sb == 0:
                 raise statistics.StatisticsError("baseline standard deviation 0 in this resample")
-            return statistics.stdev(values_m[i] for i in idx) / sb
+            return stdev_m(idx) / sb
         return bootstrap(list(range(len(values_m))), statistic=stat, resamples=RESAMPLES, seed=RNG_SEED).as_dict()
 
     index = list(range(len(seeds)))
