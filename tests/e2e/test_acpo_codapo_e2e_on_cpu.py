@@ -1,12 +1,19 @@
-"""ACPO, CoDaPO and OAR-G x CoDaPO end to end: the 1.5B FSDP2 recipes' CPU copies (``main_ppo`` in CPU mode
-through the recipes' own launch scripts, the math reward), 2 steps each, every dumped row's advantages checked
-against the formulas (verl_oar.core.acpo / core.codapo) from the dumped signals.
+"""ACPO and CoDaPO end to end: the 1.5B FSDP2 recipes' CPU copies (``main_ppo`` in CPU mode through the recipes'
+own launch scripts, the math reward), 2 steps each, every dumped row's advantages checked against the formulas
+(verl_oar.core.acpo / core.codapo) from the dumped signals.
 
 ACPO: the modal surrogate comes from verl's own old-log-prob pass (``engines.fsdp.modal``); it never exceeds
 verl's entropy (H~ <= H) nor -old_log_prob (p_max >= the sampled token's probability). CoDaPO: step 1 is the
 batch's first use, step 2 its second: the prompts of step 2 are exactly step 1's top-valued questions
-(recomputed from step 1's dump), each copy a group of its own. OAR-G x CoDaPO: the advantages are the question
-value times OAR-G's, with CoDaSampling on as well."""
+(recomputed from step 1's dump), each copy a group of its own.
+
+OAR-G x CoDaPO (``codapo.compose``, CoDaSampling on) trains in tests/e2e/test_upstream_series_on_cpu.py
+(``compose_run``, 3 steps: advantages = question value x OAR-G's, passes 1, 2, 1, OAR's and CoDaPO's metrics).
+It had a launch of its own here on plain verl; that launch checked nothing the series launch does not: the
+composition is the registered estimator function in both routes (``signals.register_token_estimator``, verl's
+``compute_advantage`` calls it), and what differs on plain verl -- the plugin trainer gathering the fields an
+estimator needs and running CoDaSampling -- is what the CoDaPO launch here trains, and OAR-G through the plugin
+trainer is test_resume_on_cpu.py's run."""
 
 from __future__ import annotations
 
@@ -90,20 +97,3 @@ def test_codapo_uses_each_batch_twice_the_second_time_on_its_top_questions(cpu_w
     chosen = {by_uid[order[i]][1] for i in select_questions([by_uid[u][0] for u in order], 0.75)}
     assert set(_prompts(second)) == chosen
     assert not set(_uids(second["keys"])) & set(uids1)               # new groups, not step 1's
-
-
-@pytest.mark.slow
-def test_oar_g_composes_with_codapo(cpu_workspace_dir, tmp_path):
-    dump = tmp_path / "compose_dump"
-    rc, log = launch_recipe(cpu_workspace_dir, tmp_path / "compose.log", "qwen2_5_math_1_5b_oar_g", 2, "e2e_compose",
-                            "+algorithm.codapo.compose=true", f"algorithm.oar.dump_dir={dump}", f"+{RIGHT_THRESHOLD}")
-    assert rc == 0, log[-6000:]
-    records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_compose"))
-    assert [r["data"]["codapo/sampling/pass"] for r in records] == [1.0, 2.0]
-    assert all("codapo/value/mean" in r["data"] and "oar/timing_s/token_importance" in r["data"] for r in records)
-    for step in (1, 2):
-        d = torch.load(dump / f"step_{step}.pt")
-        mask = d["response_mask"].bool()
-        inner = d["grpo_advantages"] * d["weights"] * mask              # OAR-G: A x w~
-        torch.testing.assert_close(d["inner_advantages"], inner, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(d["advantages"], d["codapo_value"][:, None] * inner, atol=1e-6, rtol=1e-5)
