@@ -12,9 +12,10 @@ RECIPE_CPU_COPIES = ("qwen2_5_math_1_5b_oar_g", "qwen2_5_math_1_5b_oar_p", "qwen
                      "qwen2_5_math_1_5b_oppo", "qwen2_5_math_1_5b_oppo_teacher", "qwen2_5_math_1_5b_acpo",
                      "qwen2_5_math_1_5b_codapo")
 """the recipes whose CPU copies train: OAR-G's in tests/e2e/test_resume_on_cpu.py (4 steps, then resumed),
-OAR-P's in tests/e2e/test_recipes_on_cpu.py, CSCR's and OPPO's (self and teacher) in tests/e2e/test_privileged_e2e_on_cpu.py,
-ACPO's and CoDaPO's (and OAR-G's composed with CoDaPO) in tests/e2e/test_acpo_codapo_e2e_on_cpu.py; that they, with ``REF_MODEL_RUN``, cover every FSDP2 OAR
-recipe's settings is checked in tests/unit/test_recipe_configs_on_cpu.py"""
+OAR-P's in tests/e2e/test_recipes_on_cpu.py, OPPO's (self and teacher) in tests/e2e/test_privileged_e2e_on_cpu.py,
+CSCR's in tests/e2e/test_upstream_series_on_cpu.py (on verl with the upstream series), ACPO's and CoDaPO's in
+tests/e2e/test_acpo_codapo_e2e_on_cpu.py; that they, with ``REF_MODEL_RUN``, cover every FSDP2 OAR recipe's settings
+is checked in tests/unit/test_recipe_configs_on_cpu.py"""
 
 REF_MODEL_RUN = (
     "+algorithm.oar.importance_model=ref", "+algorithm.oar.objective=loglik", "+algorithm.oar.saliency=grad_norm",
@@ -37,15 +38,16 @@ OAR_KEYS = (
 
 
 def launch_recipe(workspace: Path, log: Path, name: str, steps: int, experiment: str, *extra: str,
-                  timeout_s: int = 400) -> tuple[int, str]:
-    """A recipe's CPU copy through its own launch script (``python -m verl_oar.cpu.recipe``)."""
+                  timeout_s: int = 400, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """A recipe's CPU copy through its own launch script (``python -m verl_oar.cpu.recipe``); ``env``: the
+    launch's environment (default: this process's), e.g. a patched verl first on ``PYTHONPATH``."""
     from verl_oar.cpu.recipe import RECIPES_DIR
 
     with open(log, "w") as fp:
         proc = subprocess.run(
             [sys.executable, "-m", "verl_oar.cpu.recipe", name, "--workdir", str(workspace), "--steps", str(steps),
              "--experiment-name", experiment, "--timeout", str(timeout_s), *extra],
-            stdout=fp, stderr=subprocess.STDOUT, timeout=timeout_s + 30, check=False,
+            stdout=fp, stderr=subprocess.STDOUT, timeout=timeout_s + 30, check=False, env=env,
         )
     text = log.read_text()
     if proc.returncode == 0:

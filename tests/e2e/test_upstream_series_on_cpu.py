@@ -13,8 +13,11 @@ applied by ``upstream/apply.sh``; then, against that copy (first on ``PYTHONPATH
    - resumed from its step-1 checkpoint (after a first use) and from its step-2 checkpoint (after a second use),
      one step each: the resumed step trains exactly as the uninterrupted run's (same rollouts, bit-equal dumps);
    - ``acpo`` (modal surrogate), 1 step: the top-1 log-probs through verl's logits reducer (PR logits-reducers);
-   - ``cscr``, 1 step: the re-scoring batch balanced through verl's public ``PPOTrainer.balance_batch`` (PR
-     balance-batch; without it the private ``_balance_batch``, which the access log would list);
+   - ``cscr``: the CSCR recipe's CPU copy through its own launch script, 2 steps, the identity template for c+ (its
+     shifts must be 0 up to float rounding), the re-scoring batch balanced through verl's public
+     ``PPOTrainer.balance_batch`` (PR balance-batch; without it the private ``_balance_batch``, which the access log
+     would list), every dumped row's advantages against CSCR's formula -- CSCR's only launch (OPPO's, on plain
+     verl, run the shared re-scoring pass through the private route: tests/e2e/test_privileged_e2e_on_cpu.py);
    and, in every launch, the CPU rollout's replica publishing its server through the public setters (PR
    replica-servers); none of them touches a private verl name (``compat``'s access log, written by every process of a run, stays
    empty) or monkeypatches verl in CPU mode.
@@ -32,7 +35,7 @@ import shutil
 
 import pytest
 import torch
-from _e2e import CONTENT_ORDERED_SAMPLER, OAR_KEYS, compare_dumped_steps
+from _e2e import CONTENT_ORDERED_SAMPLER, OAR_KEYS, compare_dumped_steps, launch_recipe
 
 from verl_oar.cpu.launch import read_metrics
 from verl_oar.cpu.overrides import metrics_file
@@ -61,6 +64,9 @@ HOOK_LINE = "[verl-oar] token signals through verl's advantage hooks in verl.tra
 """printed by verl_oar.integration.upstream_hook at the first step, naming the trainer's class"""
 REDUCER_LINE = "[verl-oar] ACPO's modal log-probs through verl's logits reducer"
 """printed by a worker when it registers ACPO's reducer (verl_oar.engines.fsdp.logits_reducer.ANNOUNCE)"""
+CSCR_KEYS = ("cscr/sensitivity/mean", "cscr/frac_attenuated", "cscr/weight/min", "cscr/weight/max", "cscr/budget_error",
+             "cscr/sign_violations", "cscr/rescore/seconds", "cscr/rescore/truncated", "cscr/rescore/skipped",
+             "oar/timing_s/cscr_shifts")
 ACCESS_LOG_ENV = "VERL_OAR_PRIVATE_ACCESS_LOG"
 """verl_oar.integration.compat.ACCESS_LOG_ENV: every process of a run appends each private verl access to this file"""
 COMPARED = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask", "grpo_advantages", "weights",
@@ -273,20 +279,36 @@ def test_acpo_modal_surrogate_through_verls_logits_reducer(patched_verl, cpu_wor
 
 
 @pytest.mark.slow
-def test_cscr_rescoring_balanced_through_verls_public_balance_batch(patched_verl, cpu_workspace_dir, tmp_path):
+def test_cscr_recipe_trains_with_its_rescoring_batch_balanced_through_verls_public_balance_batch(
+    patched_verl, cpu_workspace_dir, tmp_path
+):
+    """The CSCR recipe's CPU copy, 2 steps, with the identity template for c+ (``{question}``: the rollout's own
+    prompt): its shifts must be 0 up to float rounding (fp32), which checks that the pass renders the prompt as the
+    agent loop did and scores the response tokens at the rollout temperature (at step 2 on the updated actor, the
+    weights the rollout had); c- is the default template."""
     from verl_oar.core.cscr import CSCRConfig, cscr_advantages
 
-    rc, text, records = _launch(patched_verl, cpu_workspace_dir, tmp_path, "e2e_series_cscr", 1, "cscr")
+    dump = tmp_path / "dump"
+    env = _env(patched_verl, **{ACCESS_LOG_ENV: str(tmp_path / "private_access.log")})
+    rc, text = launch_recipe(cpu_workspace_dir, tmp_path / "log", "qwen2_5_math_1_5b_cscr", 2, "e2e_series_cscr",
+                             "algorithm.cscr.pos_template='{question}'", f"+algorithm.oar.dump_dir={dump}", env=env)
     assert rc == 0, text[-6000:]
     assert HOOK_LINE in text, text[-6000:]
     _no_private_access(tmp_path)  # the private _balance_batch route would be logged here
-    assert [r["step"] for r in records] == [1]
-    data = records[0]["data"]
-    assert data["cscr/sign_violations"] == 0 and data["cscr/rescore/skipped"] == 0, data
-    d = torch.load(tmp_path / "dump" / "step_1.pt")
-    mask = d["response_mask"].bool()
-    assert d["cscr_neg_shift"][mask].abs().max() > 1e-2  # the re-scoring pass ran and moved the log-probs
-    grpo = d["grpo_advantages"]
-    sequence = grpo[torch.arange(len(grpo)), mask.float().argmax(1)] * mask.any(1)
-    expected = cscr_advantages(sequence, d["cscr_pos_shift"], d["cscr_neg_shift"], mask, CSCRConfig()).advantages
-    torch.testing.assert_close(d["advantages"], expected * mask, atol=1e-6, rtol=1e-5)
+    records = read_metrics(metrics_file(cpu_workspace_dir, "e2e_series_cscr"))
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        data = record["data"]
+        assert all(k in data for k in CSCR_KEYS), [k for k in CSCR_KEYS if k not in data]
+        assert data["cscr/sign_violations"] == 0 and data["cscr/budget_error"] < 1e-4, data
+        assert data["cscr/rescore/skipped"] == 0, data
+        assert data["actor/pg_loss"] == data["actor/pg_loss"]  # not NaN
+    for step in (1, 2):
+        d = torch.load(dump / f"step_{step}.pt")
+        mask = d["response_mask"].bool()
+        assert d["cscr_pos_shift"][mask].abs().max() < 1e-4  # identity template: the rollout's own log-probs
+        assert d["cscr_neg_shift"][mask].abs().max() > 1e-2  # the "incorrect" condition moves them
+        grpo = d["grpo_advantages"]
+        sequence = grpo[torch.arange(len(grpo)), mask.float().argmax(1)] * mask.any(1)
+        expected = cscr_advantages(sequence, d["cscr_pos_shift"], d["cscr_neg_shift"], mask, CSCRConfig()).advantages
+        torch.testing.assert_close(d["advantages"], expected * mask, atol=1e-6, rtol=1e-5)

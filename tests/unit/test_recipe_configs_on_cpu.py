@@ -1,8 +1,7 @@
 """The recipes (recipes/config, recipes/run_*.sh): each composes with Hydra against verl's config, passes
 verl's validation and the estimator's start-up checks, mirrors the published GRPO settings, and every
 method's recipe differs from GRPO's only in ``algorithm.*``; the launch scripts pass their arguments; a Megatron recipe's CPU
-copy is refused. The CPU copies' trainer runs are in tests/e2e/test_recipes_on_cpu.py (OAR-P),
-tests/e2e/test_resume_on_cpu.py (OAR-G) and tests/e2e/test_privileged_e2e_on_cpu.py (CSCR, OPPO)."""
+copy is refused. The CPU copies' trainer runs are listed in tests/_e2e.py (``RECIPE_CPU_COPIES``)."""
 
 from __future__ import annotations
 
