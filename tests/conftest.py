@@ -14,19 +14,21 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 E2E_LONGEST_FIRST = (
-    "e2e/test_upstream_series_on_cpu.py", "e2e/test_two_ranks_on_cpu.py", "e2e/test_acpo_codapo_e2e_on_cpu.py",
-    "e2e/test_privileged_e2e_on_cpu.py", "e2e/test_testbed_demo_on_cpu.py", "e2e/test_resume_on_cpu.py",
-    "e2e/test_recipes_on_cpu.py", "e2e/test_bf16_e2e_on_cpu.py",
+    "e2e/test_upstream_series_on_cpu.py", "e2e/test_two_ranks_on_cpu.py", "e2e/test_testbed_demo_on_cpu.py",
+    "e2e/test_acpo_codapo_e2e_on_cpu.py", "e2e/test_privileged_e2e_on_cpu.py", "e2e/test_resume_on_cpu.py",
+    "e2e/test_real_model_e2e_on_cpu.py", "e2e/test_fast_runner_fill32_on_cpu.py", "e2e/test_bf16_e2e_on_cpu.py",
+    "e2e/test_recipes_on_cpu.py",
 )
-"""the trainer-launch modules, longest first (5 + verl's tests, 3, 3, 3, 2, 2, 1 and 1 launches; about 255, -, 225, 225,
-135, 110, 57 and 46 s in the full run on 2 cores of an Intel Xeon; test_two_ranks took 392 s alone on 2 loaded cores of
-an AMD EPYC (launches of 91-174 s); an AMD EPYC took 1.25-1.6x longer per module in an
-earlier run, when the series module had one launch fewer)"""
+"""the trainer-launch modules, longest first: 5 launches + verl's tests, then 3 (two ranks), 2, 2, 2, 2, 1 (a real
+model's), 1 (and the fast runner's replay), 1 and 1 (about 470, 390, 230, 210, 205, 200, 165, 140, 90 and 85 s in a
+full run on 2 cores of an AMD EPYC: CI's per-test durations, less the launches folded into others; two ranks' 390 s
+measured alone on loaded cores)"""
 
 HEAVY_NON_LAUNCH_FIRST = (
     "unit/test_upstream_prs_on_cpu.py", "unit/test_fast_runner_on_cpu.py", "engine-checks",
     "unit/test_recipe_configs_on_cpu.py", "unit/test_trainer_hook_on_cpu.py", "unit/test_gpu_acceptance_on_cpu.py",
     "engine/test_engine_multirank_on_cpu.py", "engine/test_megatron_real_on_cpu.py",
+    "engine/test_rank_errors_on_cpu.py", "engine/test_megatron_engine_on_cpu.py", "unit/test_study_report_on_cpu.py",
     "unit/test_memory_estimate_on_cpu.py",
     "unit/test_heatmap_checkpoint_on_cpu.py", "unit/test_check_on_cpu.py", "unit/test_demo_on_cpu.py",
     "unit/test_batch_scale_on_cpu.py", "unit/test_compare_long_run_on_cpu.py",
