@@ -157,6 +157,17 @@ def test_what_import_verl_loads_of_the_plugin(cpu_mode, request):
         assert heavy == [], heavy
 
 
+def test_the_plugin_says_what_imported_it():
+    """``plugin.IMPORTED_THROUGH``: verl's entry point in every process that imports verl (``IMPORT_PROBE`` asserts it
+    there; a multi-node run checks it on each node's workers, tests/e2e/test_two_nodes_on_cpu.py); any other importer
+    is named by file and line, here a script importing it with verl's plugin discovery off."""
+    from _fresh_process import run_fresh
+
+    process = run_fresh("from verl_oar.integration import plugin\nprint('THROUGH', plugin.IMPORTED_THROUGH)",
+                        env_extra={"VERL_USE_EXTERNAL_PLUGINS": "none"})
+    assert "THROUGH <string>:1" in process.stdout, process.failure()
+
+
 def _module_name(path: Path) -> str:
     parts = ("verl_oar", *path.relative_to(PACKAGE).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
