@@ -177,3 +177,41 @@ def test_the_recipe_copies_take_ranks_too():
                        ("ray_kwargs.ray_init.num_cpus=8", "ray_kwargs.ray_init.num_cpus=11")}
     with pytest.raises(ValueError, match="16 rows per step .* do not split evenly over ranks=3"):
         recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=3)
+
+
+def test_the_recipe_copies_split_their_ranks_over_nodes():
+    """``--nodes 2``: verl's ``trainer.nnodes``, each node ``ranks / nodes`` pretend GPUs; a split that is not even
+    is refused."""
+    from verl_oar.cpu.recipe import recipe_cpu_overrides
+
+    one_node, two_nodes = (recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=2, nodes=n) for n in (1, 2))
+    changed = {(a, b) for a, b in zip(one_node, two_nodes, strict=True) if a != b}
+    assert changed == {("trainer.n_gpus_per_node=2", "trainer.n_gpus_per_node=1"), ("trainer.nnodes=1", "trainer.nnodes=2")}
+    for nodes, message in ((3, "ranks=2 do not split evenly over nodes=3"), (0, "nodes=0 is invalid")):
+        with pytest.raises(ValueError, match=message):
+            recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=2, nodes=nodes)
+
+
+def test_a_run_submitted_as_a_ray_job_joins_the_jobs_cluster_and_takes_its_environment_along(monkeypatch, tmp_path):
+    """run_trainer with ``job`` (a recipe copy under ``$RAY_ADDRESS``): the command gets the join overrides without an
+    address (the job's driver finds its cluster in ``$RAY_ADDRESS``), whatever ``$VERL_OAR_RAY_ADDRESS`` says; launch.sh
+    gets the run's environment as the job's runtime env and the submission id; the job's end is the run's exit code."""
+    import verl_oar.cpu.launch as launch
+    from verl_oar.cpu import ray_job
+
+    monkeypatch.setenv(RAY_ADDRESS_ENV, "127.0.0.1:6380")  # another cluster's, e.g. a test session's
+    monkeypatch.setenv("PYTHONPATH", "/patched/verl")
+    followed = []
+    monkeypatch.setattr(ray_job, "follow_job", lambda *job, timeout_s: followed.append((job, timeout_s)) or 7)
+    out = tmp_path / "seen.json"
+    script = (f"import json, os, sys; json.dump([sys.argv[1:], os.environ['RUNTIME_ENV_JSON'], "
+              f"os.environ['SUBMISSION_ID']], open({str(out)!r}, 'w'))")
+    rc = launch.run_trainer(["python3", "-c", script, "a=1"], tmp_path / "m.jsonl", cwd=tmp_path, timeout_s=60,
+                            job=("http://127.0.0.1:8265", "sub_1"))
+    args, runtime_env, submission = json.loads(out.read_text())
+    assert args == ["a=1", "ray_kwargs.ray_init.num_cpus=null", "++ray_kwargs.ray_init.num_gpus=null"]
+    env_vars = json.loads(runtime_env)["env_vars"]
+    assert env_vars["VERL_PLATFORM"] == "cpu" and env_vars["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "m.jsonl")
+    assert env_vars["PYTHONPATH"] == "/patched/verl" and RAY_ADDRESS_ENV not in env_vars
+    assert submission == "sub_1"
+    assert rc == 7 and followed[0][0] == ("http://127.0.0.1:8265", "sub_1") and 0 < followed[0][1] <= 60

@@ -62,13 +62,15 @@ RECIPE_N = 8
 
 
 def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experiment_name: str,
-                         teacher: bool = False, ranks: int = 1) -> list[str]:
+                         teacher: bool = False, ranks: int = 1, nodes: int = 1) -> list[str]:
     """Overrides appended after a recipe's own, turning it into a CPU run over the CPU workspace (``teacher``:
     OPPO's teacher becomes the workspace model, i.e. the actor's starting weights; ``ranks``: data-parallel
-    ranks, as ``overrides.cpu_overrides``; a PPO mini-batch's 8 rows must split over them)."""
-    from verl_oar.cpu.overrides import check_ranks, own_cluster_overrides
+    ranks, as ``overrides.cpu_overrides``; a PPO mini-batch's 8 rows must split over them; ``nodes``:
+    ``trainer.nnodes``, the ranks split evenly over them, ``ranks / nodes`` pretend GPUs per node)."""
+    from verl_oar.cpu.overrides import check_nodes, check_ranks, own_cluster_overrides
 
     check_ranks(ranks, rows=RECIPE_COPY_PROMPTS * RECIPE_N, mini_batch_rows=RECIPE_N)
+    check_nodes(ranks, nodes)
     ws = Path(workspace_dir).expanduser().resolve()
     fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
     return ([f"algorithm.oppo.teacher.path={ws / 'model'}"] if teacher else []) + [
@@ -95,10 +97,10 @@ def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experi
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "reward.num_workers=1",
         "trainer.device=cpu",
-        f"trainer.n_gpus_per_node={ranks}",
-        "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={ranks // nodes}",
+        f"trainer.nnodes={nodes}",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        *own_cluster_overrides(ranks),  # run_trainer appends the joining ones under $VERL_OAR_RAY_ADDRESS
+        *own_cluster_overrides(ranks),  # run_trainer appends the joining ones (a job, $VERL_OAR_RAY_ADDRESS)
         # --- a short run: no validation, no checkpoints, local logging ---
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
@@ -127,9 +129,12 @@ def run(
     timeout_s: float | None = None,
     recipes_dir: Path = RECIPES_DIR,
     ranks: int = 1,
+    nodes: int = 1,
 ) -> int:
-    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk, on ``ranks`` ranks; return its exit
-    code."""
+    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk, on ``ranks`` ranks over ``nodes``
+    nodes; return its exit code. With ``$RAY_ADDRESS`` (a dashboard), launch.sh submits the run as a Ray job to that
+    cluster and this follows it (``ray_job``): the exit code and output are the job's."""
+    from verl_oar.cpu import ray_job
     from verl_oar.cpu.workspace import build_workspace
 
     names = recipe_names(recipes_dir)
@@ -144,11 +149,17 @@ def run(
     experiment_name = experiment_name or f"cpu_{recipe}"
     script = recipes_dir / f"run_{recipe}.sh"
     cmd = ["bash", str(script), *recipe_cpu_overrides(ws.root, steps=steps, experiment_name=experiment_name,
-                                                      teacher=has_teacher(recipe, recipes_dir), ranks=ranks)]
+                                                      teacher=has_teacher(recipe, recipes_dir), ranks=ranks,
+                                                      nodes=nodes)]
     cmd += list(extra_overrides or [])
     os.environ.setdefault("PYTHON", sys.executable)  # launch.sh's interpreter: this environment's
     os.environ.setdefault("DATA_DIR", str(ws.root / "data"))
-    return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s)
+    job = None
+    if ray_job.dashboard_address():
+        job = (ray_job.dashboard_address(), ray_job.new_submission_id(experiment_name))
+        # launch.sh's `ray job submit`: this environment's
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s, job=job)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiment-name", default=None, help="names the metrics file (default cpu_<recipe>)")
     parser.add_argument("--timeout", type=float, default=None, help="stop the trainer after this many seconds")
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel FSDP2 ranks over gloo (default 1)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="trainer.nnodes, the ranks split evenly over them (default 1); with $RAY_ADDRESS (a "
+                             "dashboard) the copy is submitted to that cluster as a Ray job")
     args, extra = parser.parse_known_args(argv)
     return run(
         args.recipe,
@@ -171,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_overrides=extra,
         timeout_s=args.timeout,
         ranks=args.ranks,
+        nodes=args.nodes,
     )
 
 
