@@ -2,7 +2,8 @@
 step, and the rank-1 worker process killed (SIGKILL) during step 3. Three launches in the session's Ray cluster:
 
 1. killed: the run ends with a non-zero exit within ``LOSS_BOUND_S`` of the kill, its log names the lost worker (Ray's
-   ``ActorDiedError``: the ``WorkerDict`` actor, its pid), and the checkpoints it leaves are complete: verl's
+   ``ActorDiedError``: the ``WorkerDict`` actor, its pid; and the plugin's summary, ``integration/lost_workers.py``:
+   the rank, its pid and node), and the checkpoints it leaves are complete: verl's
    ``latest_checkpointed_iteration.txt`` names step 2, every rank's model, optimizer and extra-state shard of steps 1
    and 2 loads, and nothing of step 3 was written;
 2. resumed: the same command with ``trainer.resume_mode=auto`` on the killed run's checkpoint folder, as a user
@@ -35,6 +36,7 @@ Marked slow: three launches of two ranks, about 4-6 minutes each on 2 loaded cor
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -114,6 +116,8 @@ def test_a_killed_rank_worker_fails_the_run_in_bounded_time_and_the_resumed_run_
     assert rc != 0, text[-6000:]
     assert lost_for <= LOSS_BOUND_S, (lost_for, text[-6000:])
     assert "ActorDiedError" in text and "WorkerDict" in text and f"pid: {kill.pid}" in text, text[-6000:]
+    assert re.search(rf"rank 1 of actor_rollout: actor \S*WorkerDict\S*, pid {kill.pid}, on node \w+, DEAD", text), \
+        text[-6000:]  # the plugin's summary (integration/lost_workers.py)
     assert [r["step"] for r in read_metrics(metrics_file(cpu_workspace_dir, "loss_killed"))] == [1, 2]
     assert check_complete_checkpoints(ckpt, RANKS) == (KILL_STEP - 1, [1, 2])  # nothing of step 3
 

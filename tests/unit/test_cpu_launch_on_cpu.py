@@ -186,7 +186,8 @@ def test_the_recipe_copies_split_their_ranks_over_nodes():
 
     one_node, two_nodes = (recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=2, nodes=n) for n in (1, 2))
     changed = {(a, b) for a, b in zip(one_node, two_nodes, strict=True) if a != b}
-    assert changed == {("trainer.n_gpus_per_node=2", "trainer.n_gpus_per_node=1"), ("trainer.nnodes=1", "trainer.nnodes=2")}
+    assert changed == {("trainer.n_gpus_per_node=2", "trainer.n_gpus_per_node=1"),
+                       ("trainer.nnodes=1", "trainer.nnodes=2")}
     for nodes, message in ((3, "ranks=2 do not split evenly over nodes=3"), (0, "nodes=0 is invalid")):
         with pytest.raises(ValueError, match=message):
             recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=2, nodes=nodes)

@@ -15,7 +15,8 @@ the importance pass (``engines.driver``) writes ``{dir}/step_{step}_{method}_ran
   (an FSDP2 shard is a ``DTensor``'s local tensor) and of the whole model;
 - where the rank ran and what it ran: ``node_id`` (the Ray node of this worker, ``ray.get_runtime_context()``;
   None outside Ray), ``hostname``, ``plugin_imported_through`` (``integration.plugin.IMPORTED_THROUGH``: verl's
-  ``verl.plugins`` entry point, or the importing file; None when no plugin was loaded) and ``verl_oar_file`` (the package this worker imported).
+  ``verl.plugins`` entry point, or the importing file; None when no plugin was loaded) and ``verl_oar_file`` (the
+  package this worker imported).
 
 Checked against verl 0.9.1 (``engine.get_data_parallel_rank``/``_size``, ``engine.module``).
 """
