@@ -8,7 +8,7 @@ start-up checks and ``python -m verl.trainer.main_ppo`` are those of a cluster r
 overrides (:func:`recipe_cpu_overrides`) change only
 
 - what a CPU machine cannot run: the hf rollout instead of vLLM, pretend GPUs (one per rank, ``--ranks``,
-  default 1; several ranks run FSDP2 over gloo), fp32, SDPA
+  default 1; several ranks run FSDP2 over gloo; ``--nodes`` splits them over Ray nodes), fp32, SDPA
   attention, no torch.compile, one TransferQueue storage unit (see ``overrides.py`` for why each);
 - the sizes: the tiny model and arithmetic data of the CPU workspace instead of Qwen2.5-Math and
   MATH/GSM8K, 64 + 48 tokens instead of 1024 + 3072, 2 prompts per step in 2 PPO mini-batches
@@ -17,6 +17,9 @@ overrides (:func:`recipe_cpu_overrides`) change only
 Everything else is the recipe's: the estimator and ``algorithm.oar``, n responses per prompt, the
 loss (KL loss, clip ratio, token-mean, entropy coefficient), dynamic batch size and token budgets,
 gradient checkpointing, offload, the math-verify reward.
+
+With ``$RAY_ADDRESS`` (a running cluster's dashboard) the copy is submitted to that cluster as a Ray job by
+``recipes/launch.sh``, as a cluster user's run is, and followed to its end (``ray_job``).
 
 Only a GPU runs what the copy replaces (:data:`GPU_ONLY`). A Megatron recipe is refused here:
 megatron-core needs CUDA, and its FSDP2 twin is the recipe of the same name without ``_megatron``.
@@ -39,8 +42,9 @@ GPU_ONLY = (
     "vLLM rollout (the copy uses the hf rollout: transformers generate)",
     "Megatron engine (megatron-core needs CUDA; Megatron recipes are composed and validated only)",
     "bf16 mixed precision and flash attention (the copy runs fp32 with SDPA)",
-    "several nodes and NCCL: Ray placement across nodes, vLLM tensor parallel (the copy runs data-parallel FSDP2 "
-    "ranks over gloo on one node with ``--ranks``)",
+    "NCCL and real interconnects: NCCL collectives, vLLM tensor parallel over GPUs and nodes, real bandwidth (the copy "
+    "runs data-parallel FSDP2 ranks over gloo with ``--ranks``, on Ray nodes of one machine with ``--nodes`` and a "
+    "cluster's ``$RAY_ADDRESS``)",
     "the real model, data and lengths (Qwen2.5-Math, MATH/GSM8K, 1024 + 3072 tokens) and their memory",
     "validation on the evaluation sets and checkpoint saving",
 )
