@@ -57,6 +57,55 @@ def test_a_killed_ranks_worker_is_named_with_its_pid_and_node(monkeypatch):
     assert "trainer.resume_mode=auto" in report
 
 
+LOST_NODE_PROBE = """
+import os, time, ray
+from ray.cluster_utils import Cluster
+from verl_oar.integration import lost_workers
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                        "object_store_memory": 80 << 20})
+node = cluster.add_node(num_cpus=1, resources={"rank_node": 1}, object_store_memory=80 << 20)
+ray.init(address=cluster.address, log_to_driver=False)
+
+@ray.remote(num_cpus=0, resources={"rank_node": 1})
+class Rank:
+    def pid(self):
+        return os.getpid()
+
+class WorkerGroup:
+    def __init__(self, workers):
+        self._workers = workers
+
+rank = Rank.remote()
+pid = ray.get(rank.pid.remote())
+cluster.remove_node(node, allow_graceful=False)
+started = time.monotonic()
+peer_gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+print("REPORT", lost_workers.report({"actor_rollout": WorkerGroup([rank])}, peer_gone, patience_s=60))
+print("NODE", node.node_id, pid, round(time.monotonic() - started, 1))
+ray.shutdown()
+cluster.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_a_lost_nodes_rank_is_named_once_ray_declares_the_node_dead(monkeypatch):
+    """Ray's own test cluster (``ray.cluster_utils.Cluster``): a rank's node removed at once, the driver holding only a
+    collective's error that names no one; the report waits for Ray to declare the node dead (its health checks:
+    measured 15 s) and names the rank, its pid and the node. About 40 s: marked slow."""
+    from _fresh_process import run_fresh
+
+    for key in ("RAY_ADDRESS", "VERL_OAR_RAY_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    process = run_fresh(LOST_NODE_PROBE, timeout=240)
+    node, pid, waited = next(line.split()[1:] for line in process.stdout.splitlines() if line.startswith("NODE"))
+    report = process.stdout.split("REPORT ", 1)[1]
+    print(f"[lost workers] Ray declared the node dead after {waited} s")
+    assert "rank 0 of actor_rollout: actor " in report and f"pid {pid}, on node {node} (lost: Ray reports it dead)" \
+        in report and "The actor died because its node has died" in report, process.failure()
+    assert f"nodes Ray reports dead: node {node}" in report
+    assert float(waited) < lost_workers.PATIENCE_S
+
+
 @pytest.mark.parametrize(("error", "lost"), [
     (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:47775. This is typically "
                   "caused by a remote worker crashing."), True),
