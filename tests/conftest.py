@@ -21,7 +21,8 @@ E2E_LONGEST_FIRST = (
 )
 """the trainer-launch modules, longest first (3 two-rank, 5 + verl's tests, 3, 2 two-node, 3, 3, 2, 2, 1 and 1 launches;
 about -, 255, -, -, 225, 225, 135, 110, 57 and 46 s in the full run on 2 cores of an Intel Xeon; alone on 2 loaded cores
-of an AMD EPYC: test_worker_loss 584 s (launches of 271, 134 and 146 s), test_two_ranks 392 s (launches of 91-174 s);
+of an AMD EPYC: test_worker_loss 584 s (launches of 271, 134 and 146 s; 1130 s under a load of ~25), test_two_nodes
+586-628 s under a load of ~25, test_two_ranks 392 s (launches of 91-174 s);
 an AMD EPYC took 1.25-1.6x longer per module in an earlier run, when the series module had one launch fewer)"""
 
 HEAVY_NON_LAUNCH_FIRST = (

@@ -23,7 +23,9 @@ what the job's workers know of the run reaches them through the job.
    actor id; the checkpoint of step 1 is complete and is the one verl's tracker names. Resuming needs the node
    back; resuming two ranks is tests/e2e/test_worker_loss_on_cpu.py's.
 
-Marked slow: two launches (about 4-5 minutes each on 2 loaded cores, mostly start-up) and a cluster start (~30 s).
+Marked slow: two launches and a cluster start; the module took 586 and 628 s on 2 cores of an AMD EPYC under a load of
+~25 (the submitted run 243 and 266 s, the run losing a node 280 s), mostly start-up; the submitted run took 113 s
+under a lighter load.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ import torch
 
 RECIPE = "qwen2_5_math_1_5b_oar_g"
 NODE_LOSS_BOUND_S = 120.0
-"""seconds from losing the node to the launch's exit (measured: see the module's printed lines)"""
+"""seconds from losing the node to the launch's exit (measured 8-17 s in three runs; when verl's trainer outlives the
+node, the plugin waits for Ray to declare the node dead, about 15 s, ``lost_workers.PATIENCE_S`` at most)"""
+LAUNCH_TIMEOUT_S = 900
+"""a launch's own limit (the hang guard), for 2 heavily loaded cores"""
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,7 @@ def _submit(workspace: Path, run: Path, cluster, steps: int, *extra: str, monkey
     started = time.monotonic()
     rc, text = launch_recipe(
         workspace, run / "launch.log", RECIPE, steps, f"two_nodes_{run.name}", "--ranks", "2", "--nodes", "2",
-        f"algorithm.oar.dump_dir={run / 'dump'}", *extra, timeout_s=500, while_running=while_running,
+        f"algorithm.oar.dump_dir={run / 'dump'}", *extra, timeout_s=LAUNCH_TIMEOUT_S, while_running=while_running,
     )  # fmt: skip
     print(f"[two nodes] {run.name}: {time.monotonic() - started:.0f} s wall (2 loaded cores), exit code {rc}")
     submitted = re.search(r"submitted job (\S+) to ", text)
