@@ -1,6 +1,7 @@
 """verl_oar/integration/lost_workers.py: a run that fails after losing a rank's worker names the lost rank, its pid
 and node, read from Ray's GCS; other failures pass through as they are. The trainer runs are
-tests/e2e/test_worker_loss_on_cpu.py (a worker killed) and tests/e2e/test_two_nodes_on_cpu.py (a node lost)."""
+tests/e2e/test_two_ranks_on_cpu.py (OAR-P's launch: a rank's worker killed) and tests/e2e/test_two_nodes_on_cpu.py (a
+node lost)."""
 
 from __future__ import annotations
 
