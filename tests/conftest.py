@@ -14,15 +14,15 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 E2E_LONGEST_FIRST = (
-    "e2e/test_worker_loss_on_cpu.py", "e2e/test_upstream_series_on_cpu.py", "e2e/test_two_ranks_on_cpu.py",
-    "e2e/test_two_nodes_on_cpu.py", "e2e/test_acpo_codapo_e2e_on_cpu.py", "e2e/test_privileged_e2e_on_cpu.py",
-    "e2e/test_testbed_demo_on_cpu.py", "e2e/test_resume_on_cpu.py", "e2e/test_recipes_on_cpu.py",
-    "e2e/test_bf16_e2e_on_cpu.py",
+    "e2e/test_upstream_series_on_cpu.py", "e2e/test_two_ranks_on_cpu.py", "e2e/test_acpo_codapo_e2e_on_cpu.py",
+    "e2e/test_privileged_e2e_on_cpu.py", "e2e/test_two_nodes_on_cpu.py", "e2e/test_testbed_demo_on_cpu.py",
+    "e2e/test_resume_on_cpu.py", "e2e/test_fast_runner_fill32_on_cpu.py", "e2e/test_real_model_e2e_on_cpu.py",
+    "e2e/test_recipes_on_cpu.py", "e2e/test_bf16_e2e_on_cpu.py",
 )
-"""the trainer-launch modules, longest first (3 two-rank, 5 + verl's tests, 3, 2 two-node, 3, 3, 2, 2, 1 and 1 launches;
-about -, 255, -, -, 225, 225, 135, 110, 57 and 46 s in the full run on 2 cores of an Intel Xeon; alone on 2 loaded cores
-of an AMD EPYC: test_worker_loss 584 s (launches of 271, 134 and 146 s; 1130 s under a load of ~25), test_two_nodes
-586-628 s under a load of ~25, test_two_ranks 392 s (launches of 91-174 s);
+"""the trainer-launch modules, longest first (5 + verl's tests, 3 two-rank (one of them 2 steps, a rank killed in
+step 2), 3, 3, 1 two-node (2 steps and a cluster of two ``ray start`` nodes), 2, 2, 2, 1 (a real model's), 1 and 1
+launches; about 255, -, 225, 225, -, 135, 110, -, -, 57 and 46 s in the full run on 2 cores of an Intel Xeon; alone on
+2 loaded cores of an AMD EPYC: test_two_ranks 392 s (launches of 91-174 s) before its OAR-P launch took a second step;
 an AMD EPYC took 1.25-1.6x longer per module in an earlier run, when the series module had one launch fewer)"""
 
 HEAVY_NON_LAUNCH_FIRST = (
