@@ -21,9 +21,9 @@ class Rank:
     def work(self):
         time.sleep(60)
 
-class WorkerGroup:  # what lost_workers reads of verl's RayWorkerGroup
+class WorkerGroup:  # what lost_workers reads of verl's RayWorkerGroup: its public workers
     def __init__(self, workers):
-        self._workers = workers
+        self.workers = workers
 
 ranks = [Rank.remote() for _ in range(2)]
 pids = ray.get([r.pid.remote() for r in ranks])
@@ -74,7 +74,7 @@ class Rank:
 
 class WorkerGroup:
     def __init__(self, workers):
-        self._workers = workers
+        self.workers = workers
 
 rank = Rank.remote()
 pid = ray.get(rank.pid.remote())

@@ -58,7 +58,7 @@ def lost_ranks(worker_groups: dict) -> tuple[list[str], dict[str, dict]]:
     dead_nodes = {node_id: n for node_id, n in nodes.items() if not n.get("Alive", True)}
     lines, seen = [], set()
     for group, wg in worker_groups.items():
-        for rank, handle in enumerate(getattr(wg, "_workers", []) or []):
+        for rank, handle in enumerate(getattr(wg, "workers", []) or []):  # RayWorkerGroup.workers (public)
             actor_id = handle._actor_id.hex()
             if actor_id in seen:  # verl's colocated roles share one worker group
                 continue
