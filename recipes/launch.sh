@@ -16,6 +16,9 @@
 #   NNODES, GPUS_PER_NODE   the cluster (default 1 x 8); train_batch_size stays the recipe's
 #   RAY_ADDRESS    a running Ray cluster's dashboard, e.g. http://10.0.0.1:8265: submit with
 #                  `ray job submit` instead of running here (multi-node, see docs/recipes/README.md)
+#   RUNTIME_ENV_JSON  with RAY_ADDRESS: the job's runtime environment (`ray job submit --runtime-env-json`),
+#                  e.g. '{"env_vars": {"HF_HOME": "/shared/hf"}}': what the driver and every worker must see
+#   SUBMISSION_ID  with RAY_ADDRESS: the job's id (`ray job submit --submission-id`; default: one Ray makes)
 #   PYTHON         the interpreter (default python3)
 # Later overrides win: anything the recipe or this script sets can be overridden on the command line.
 set -euo pipefail
@@ -47,6 +50,13 @@ args+=("$@")
 if [ -n "${RAY_ADDRESS:-}" ]; then
   # the job's driver runs on the head node: the recipe folder and DATA_DIR must exist there, and
   # verl + verl-oar must be installed on every node (the plugin loads through verl's entry point)
-  exec ray job submit --address="$RAY_ADDRESS" --no-wait -- "$PYTHON" "${args[@]}"
+  submit=(ray job submit --address="$RAY_ADDRESS" --no-wait)
+  if [ -n "${RUNTIME_ENV_JSON:-}" ]; then
+    submit+=(--runtime-env-json="$RUNTIME_ENV_JSON")
+  fi
+  if [ -n "${SUBMISSION_ID:-}" ]; then
+    submit+=(--submission-id="$SUBMISSION_ID")
+  fi
+  exec "${submit[@]}" -- "$PYTHON" "${args[@]}"
 fi
 exec "$PYTHON" "${args[@]}"

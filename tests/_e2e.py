@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,17 +40,31 @@ OAR_KEYS = (
 
 
 def launch_recipe(workspace: Path, log: Path, name: str, steps: int, experiment: str, *extra: str,
-                  timeout_s: int = 400, env: dict[str, str] | None = None) -> tuple[int, str]:
+                  timeout_s: int = 400, env: dict[str, str] | None = None,
+                  while_running: Callable[[], None] | None = None) -> tuple[int, str]:
     """A recipe's CPU copy through its own launch script (``python -m verl_oar.cpu.recipe``); ``env``: the
-    launch's environment (default: this process's), e.g. a patched verl first on ``PYTHONPATH``."""
+    launch's environment (default: this process's), e.g. a patched verl first on ``PYTHONPATH``; ``while_running``
+    is called about every 0.2 s until the launch ends (e.g. to kill one of its workers at a chosen moment)."""
     from verl_oar.cpu.recipe import RECIPES_DIR
 
     with open(log, "w") as fp:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "verl_oar.cpu.recipe", name, "--workdir", str(workspace), "--steps", str(steps),
              "--experiment-name", experiment, "--timeout", str(timeout_s), *extra],
-            stdout=fp, stderr=subprocess.STDOUT, timeout=timeout_s + 30, check=False, env=env,
+            stdout=fp, stderr=subprocess.STDOUT, env=env,
         )
+        deadline = time.monotonic() + timeout_s + 30
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if while_running is not None:
+                    while_running()
+                time.sleep(0.2)
+            if proc.poll() is None:
+                raise subprocess.TimeoutExpired(proc.args, timeout_s + 30)
+        finally:
+            if proc.poll() is None:  # the launch stops its trainer at --timeout; this is the launch itself
+                proc.kill()
+                proc.wait()
     text = log.read_text()
     if proc.returncode == 0:
         assert f"bash {RECIPES_DIR / f'run_{name}.sh'}" in text  # through the recipe's own script
@@ -91,6 +107,26 @@ def launch(workspace: Path, log: Path, experiment: str, *extra: str, estimator: 
             check=False, stdout=fp, stderr=subprocess.STDOUT, timeout=360,
         )
     return proc.returncode, log.read_text()
+
+
+CHECKPOINT_SHARDS = ("model", "optim", "extra_state")
+"""verl's FSDP checkpoint files of each rank: ``actor/{kind}_world_size_{ranks}_rank_{rank}.pt``"""
+
+
+def check_complete_checkpoints(folder: Path, ranks: int) -> tuple[int, list[int]]:
+    """verl's checkpoint folder: returns (the step ``latest_checkpointed_iteration.txt`` names, the steps with a
+    ``global_step_N`` folder) after checking that every step up to the named one is complete: the data loader's
+    state and every rank's model, optimizer and extra-state shard load."""
+    latest = int((folder / "latest_checkpointed_iteration.txt").read_text().strip())
+    steps = sorted(int(p.name.removeprefix("global_step_")) for p in folder.glob("global_step_*"))
+    for step in (s for s in steps if s <= latest):
+        checkpoint = folder / f"global_step_{step}"
+        torch.load(checkpoint / "data.pt", weights_only=False)
+        assert (checkpoint / "actor" / "fsdp_config.json").exists(), checkpoint
+        for kind in CHECKPOINT_SHARDS:
+            for rank in range(ranks):
+                torch.load(checkpoint / "actor" / f"{kind}_world_size_{ranks}_rank_{rank}.pt", weights_only=False)
+    return latest, steps
 
 
 def check_reshaped_exactly_where_importance_varies(dump: Path, steps=(1, 2)) -> int:

@@ -23,6 +23,7 @@ import sys
 import verl
 from verl_oar.integration import plugin
 assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR
+assert plugin.IMPORTED_THROUGH == plugin.ENTRY_POINT, plugin.IMPORTED_THROUGH  # loaded by verl's discovery
 glue = sorted(m for m in sys.modules if m.startswith('verl_oar.') and not m.startswith('verl_oar.cpu') and m not in
               ('verl_oar.integration', 'verl_oar.integration.plugin', 'verl_oar.integration.compat'))
 assert not glue, glue

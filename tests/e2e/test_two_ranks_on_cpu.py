@@ -4,7 +4,7 @@ each rank's rows.
 
 The OAR-G and OAR-P recipes' CPU copies through their own launch scripts (``python -m verl_oar.cpu.recipe``: FSDP2,
 packed sequences, dynamic batch size, KL loss against the reference model, the math reward; OAR-G fused into verl's
-log-prob pass, OAR-P in chunk mode), one step of 2 prompts x 8 responses, with one size changed: a token budget of
+log-prob pass, OAR-P in chunk mode), steps of 2 prompts x 8 responses, with one size changed: a token budget of
 128 per micro-batch and rank instead of the recipes' 24k, so that each rank makes several micro-batches of its
 variable-length rows (verl gives every rank the same number; OAR's pass keeps the ranks' model calls equal). Three
 launches:
@@ -14,7 +14,10 @@ launches:
 2. OAR-G on one rank (the hf rollout seeds each request by its replica, ``cpu/hf_rollout.py``); both update on the
    whole step as one PPO mini-batch (the copy's two mini-batches would hold other rows on two ranks: verl forms each
    rank's mini-batches from its own share, so the updates could not be compared);
-3. OAR-P on two ranks, one hf replica per rank (the default).
+1 and 2 run one step;
+3. OAR-P on two ranks, one hf replica per rank (the default), two steps with a checkpoint after each, its rank-1
+   worker killed (SIGKILL) in step 2: its step 1 is checked as the others' step is, then the loss of the rank's worker
+   (below).
 
 Each rank writes the rows it scored (``$VERL_OAR_RANK_DUMP_DIR``, ``engines/rank_dump.py``), the trainer the whole
 step (``algorithm.oar.dump_dir``). The pick_max testbed runs on two ranks as well (``RunSettings.ranks``), but its
@@ -40,11 +43,32 @@ verl's loss normalised by the global token count (``batch_num_tokens`` x ``dp_si
 rows' terms in one backward. So ``actor/pg_loss`` and ``actor/grad_norm`` agree to rtol 1e-5 (float32 sums of two
 partial sums in another order; measured: grad norm bit-equal, pg_loss 2.7e-7 relative).
 
+A rank's worker lost mid-run (the third launch): as soon as rank 1 has written its step-2 rows
+(``$VERL_OAR_RANK_DUMP_DIR``: at the end of its OAR-P pass, before the step's update, which needs both ranks' FSDP2
+collectives), the test kills rank 1's worker process. verl's driver waits on both ranks' futures of a call with one
+``ray.get``, which raises the dead actor's ``ActorDiedError`` without waiting for rank 0 (which cannot finish a
+collective alone); the TaskRunner raises, ``main_ppo`` exits with 1, and Ray ends the run's other actors (the session
+cluster's leftover check shows them gone). Checked: the launch exits non-zero within ``LOSS_BOUND_S`` of the kill; its
+log names the lost worker twice, Ray's ``ActorDiedError`` (the ``WorkerDict`` actor, its pid) and the plugin's summary
+(``integration/lost_workers.py``: the rank, its pid and node); step 1's metrics are the only ones logged; and the
+checkpoints it leaves are complete: verl's ``latest_checkpointed_iteration.txt`` names step 1, every rank's model,
+optimizer and extra-state shard and the data loader's state of step 1 load, and nothing of step 2 was written.
+Measured before this kill was folded into the OAR-P launch, in a launch of its own (OAR-G, killed in step 3): 13-16 s
+from the kill to the launch's exit in three runs on 2 loaded cores of an AMD EPYC (``LOSS_BOUND_S`` allows about 6x).
+That a run resumed from such a checkpoint trains on as an uninterrupted run does is tests/e2e/test_resume_on_cpu.py's.
+
+Not covered: a worker lost while verl writes a checkpoint (the save takes ~0.3 s here, too short to aim a kill at):
+verl writes the tracker file after every rank's shards and the data loader's state, so an interrupted save leaves a
+``global_step_N`` folder the tracker does not name, which ``resume_mode=auto`` does not read.
+
 Marked slow: three launches, about 1.5-3 minutes each on 2 loaded cores.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -71,10 +95,37 @@ TOLERANCE = {"oar_importance": (1e-4, 1e-7), "weights": (1e-4, 1e-6), "advantage
 """field -> (rtol, atol) of the one-rank equality (module docstring)"""
 
 
-def _launch(workspace: Path, out: Path, estimator: str, ranks: int, *extra: str,
-            monkeypatch) -> tuple[Path, dict, float]:
-    """One step of the estimator's recipe copy on ``ranks`` ranks; returns the run's folder, its step's metrics and
-    its wall time (s)."""
+LOSS_BOUND_S = 90.0
+"""seconds from killing a rank's worker to the launch's exit (measured 13-16 s on 2 loaded cores; module docstring)"""
+KILL_STEP = 2
+"""the OAR-P launch's step in which rank 1's worker is killed, after step 1 and its checkpoint"""
+
+
+class KillRankWorker:
+    """Called while a launch runs (``launch_recipe``'s ``while_running``): kills (SIGKILL) the worker process of
+    ``rank`` as soon as that rank has written its ``method`` rows of ``step`` (the rank's file names its pid)."""
+
+    def __init__(self, rank_dir: Path, method: str, step: int, rank: int):
+        self.path = rank_dir / f"step_{step}_{method}_rank{rank}.pt"
+        self.pid: int | None = None
+        self.killed_at: float | None = None
+
+    def __call__(self) -> None:
+        if self.killed_at is not None or not self.path.exists():
+            return
+        try:
+            self.pid = torch.load(self.path)["pid"]
+        except Exception:  # noqa: BLE001 - still being written: next time
+            return
+        os.kill(self.pid, signal.SIGKILL)
+        self.killed_at = time.monotonic()
+
+
+def _launch(workspace: Path, out: Path, estimator: str, ranks: int, *extra: str, monkeypatch, steps: int = STEP,
+            while_running=None) -> tuple[Path, dict, float, int, str]:
+    """``steps`` steps of the estimator's recipe copy on ``ranks`` ranks; checks its step 1 (and, unless
+    ``while_running`` interrupts it, that it succeeded with ``steps`` steps); returns the run's folder, its step 1's
+    metrics, its wall time (s), its exit code and its output."""
     from _e2e import CONTENT_ORDERED_SAMPLER, check_recipe_records, launch_recipe
 
     from verl_oar.cpu.launch import read_metrics
@@ -86,18 +137,21 @@ def _launch(workspace: Path, out: Path, estimator: str, ranks: int, *extra: str,
     started = time.monotonic()
     # content-ordered batches: each run's micro-batches are a function of the step's rows, not of rollout timing
     rc, text = launch_recipe(
-        workspace, run / "train.log", f"qwen2_5_math_1_5b_{estimator}", STEP, run.name, "--ranks", str(ranks),
+        workspace, run / "train.log", f"qwen2_5_math_1_5b_{estimator}", steps, run.name, "--ranks", str(ranks),
         *CONTENT_ORDERED_SAMPLER, *SMALL_MICRO_BATCHES, f"algorithm.oar.dump_dir={run / 'dump'}",
-        f"trainer.rollout_data_dir={run / 'rollouts'}", *extra, timeout_s=500,
+        f"trainer.rollout_data_dir={run / 'rollouts'}", *extra, timeout_s=500, while_running=while_running,
     )  # fmt: skip
     wall = time.monotonic() - started
-    print(f"[two ranks] {run.name}: {wall:.0f} s wall (2 loaded cores)")
-    assert rc == 0, text[-6000:]
+    print(f"[two ranks] {run.name}: {wall:.0f} s wall (2 loaded cores), exit code {rc}")
+    if while_running is None:
+        assert rc == 0, text[-6000:]
     assert f"trainer.n_gpus_per_node={ranks}" in text
     records = read_metrics(metrics_file(workspace, run.name))
-    assert [r["step"] for r in records] == [STEP], text[-3000:]
+    assert [r["step"] for r in records][:1] == [STEP], text[-3000:]
+    if while_running is None:
+        assert [r["step"] for r in records] == list(range(1, steps + 1)), text[-3000:]
     check_recipe_records(records, estimator)
-    return run, records[0]["data"], wall
+    return run, records[0]["data"], wall, rc, text
 
 
 def _check_each_rank_scored_its_own_rows(run: Path, method: str, ranks: int, *, fused: bool) -> None:
@@ -135,11 +189,11 @@ def _check_each_rank_scored_its_own_rows(run: Path, method: str, ranks: int, *, 
 def test_oar_g_on_two_ranks_scores_each_ranks_rows_and_equals_one_rank(cpu_workspace_dir, tmp_path, monkeypatch):
     from _e2e import compare_dumped_steps
 
-    two, two_metrics, wall_two = _launch(cpu_workspace_dir, tmp_path, "oar_g", 2, ONE_REPLICA, ONE_MINI_BATCH,
-                                         monkeypatch=monkeypatch)
+    two, two_metrics, wall_two, _, _ = _launch(cpu_workspace_dir, tmp_path, "oar_g", 2, ONE_REPLICA, ONE_MINI_BATCH,
+                                               monkeypatch=monkeypatch)
     _check_each_rank_scored_its_own_rows(two, "gradient", 2, fused=True)
-    one, one_metrics, wall_one = _launch(cpu_workspace_dir, tmp_path, "oar_g", 1, ONE_MINI_BATCH,
-                                         monkeypatch=monkeypatch)
+    one, one_metrics, wall_one, _, _ = _launch(cpu_workspace_dir, tmp_path, "oar_g", 1, ONE_MINI_BATCH,
+                                               monkeypatch=monkeypatch)
     _check_each_rank_scored_its_own_rows(one, "gradient", 1, fused=True)
     # the same rollouts (compare_dumped_steps asserts that first), then the same step within TOLERANCE
     diffs = compare_dumped_steps(one, two, [STEP], EXACT)
@@ -153,11 +207,36 @@ def test_oar_g_on_two_ranks_scores_each_ranks_rows_and_equals_one_rank(cpu_works
 
 
 @pytest.mark.slow
-def test_oar_p_on_two_ranks_scores_each_ranks_rows(cpu_workspace_dir, tmp_path, monkeypatch):
-    from _e2e import RECIPE_PERTURB_BUDGET
+def test_oar_p_on_two_ranks_scores_each_ranks_rows_and_a_killed_ranks_worker_fails_the_run_leaving_complete_checkpoints(
+    cpu_workspace_dir, tmp_path, monkeypatch
+):
+    from _e2e import RECIPE_PERTURB_BUDGET, check_complete_checkpoints
 
-    run, _, _ = _launch(cpu_workspace_dir, tmp_path, "oar_p", 2, monkeypatch=monkeypatch)
+    from verl_oar.cpu.launch import read_metrics
+    from verl_oar.cpu.overrides import metrics_file
+
+    ckpt = tmp_path / "ckpt"
+    kill = KillRankWorker(tmp_path / "oar_p_2ranks" / "ranks", "perturbation", KILL_STEP, rank=1)
+    run, _, _, rc, text = _launch(cpu_workspace_dir, tmp_path, "oar_p", 2, "trainer.save_freq=1",
+                                  f"trainer.default_local_dir={ckpt}", steps=KILL_STEP, while_running=kill,
+                                  monkeypatch=monkeypatch)
+    ended = time.monotonic()
+
+    # step 1: each rank scored its own rows, in chunk mode
     _check_each_rank_scored_its_own_rows(run, "perturbation", 2, fused=False)
     step = torch.load(run / "dump" / f"step_{STEP}.pt")
     for row, reasoning in zip(step["oar_importance"], step["oar_reasoning_mask"].bool(), strict=True):
         assert row[reasoning].unique().numel() <= RECIPE_PERTURB_BUDGET  # chunk mode: one value per span
+
+    # step 2: rank 1's worker killed; a non-zero exit in bounded time, naming the lost worker; complete checkpoints
+    assert kill.killed_at is not None, f"rank 1 never reached step {KILL_STEP}:\n{text[-6000:]}"
+    lost_for = ended - kill.killed_at
+    print(f"[two ranks] OAR-P: rank 1 (pid {kill.pid}) killed in step {KILL_STEP}; the launch ended {lost_for:.1f} s "
+          "later")
+    assert rc != 0, text[-6000:]
+    assert lost_for <= LOSS_BOUND_S, (lost_for, text[-6000:])
+    assert "ActorDiedError" in text and "WorkerDict" in text and f"pid: {kill.pid}" in text, text[-6000:]
+    assert re.search(rf"rank 1 of actor_rollout: actor \S*WorkerDict\S*, pid {kill.pid}, on node \w+, DEAD", text), \
+        text[-6000:]  # the plugin's summary (integration/lost_workers.py)
+    assert [r["step"] for r in read_metrics(metrics_file(cpu_workspace_dir, run.name))] == [STEP]
+    assert check_complete_checkpoints(ckpt, 2) == (KILL_STEP - 1, [KILL_STEP - 1])  # nothing of step 2

@@ -177,3 +177,100 @@ def test_the_recipe_copies_take_ranks_too():
                        ("ray_kwargs.ray_init.num_cpus=8", "ray_kwargs.ray_init.num_cpus=11")}
     with pytest.raises(ValueError, match="16 rows per step .* do not split evenly over ranks=3"):
         recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=3)
+
+
+def test_the_recipe_copies_split_their_ranks_over_nodes():
+    """``--nodes 2``: verl's ``trainer.nnodes``, each node ``ranks / nodes`` pretend GPUs; a split that is not even
+    is refused."""
+    from verl_oar.cpu.recipe import recipe_cpu_overrides
+
+    one_node, two_nodes = (recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=2, nodes=n) for n in (1, 2))
+    changed = {(a, b) for a, b in zip(one_node, two_nodes, strict=True) if a != b}
+    assert changed == {("trainer.n_gpus_per_node=2", "trainer.n_gpus_per_node=1"),
+                       ("trainer.nnodes=1", "trainer.nnodes=2")}
+    for nodes, message in ((3, "ranks=2 do not split evenly over nodes=3"), (0, "nodes=0 is invalid")):
+        with pytest.raises(ValueError, match=message):
+            recipe_cpu_overrides("/ws", steps=1, experiment_name="x", ranks=2, nodes=nodes)
+
+
+def test_a_run_submitted_as_a_ray_job_joins_the_jobs_cluster_and_takes_its_environment_along(monkeypatch, tmp_path):
+    """run_trainer with ``job`` (a recipe copy under ``$RAY_ADDRESS``): the command gets the join overrides without an
+    address (the job's driver finds its cluster in ``$RAY_ADDRESS``), whatever ``$VERL_OAR_RAY_ADDRESS`` says; launch.sh
+    gets the run's environment as the job's runtime env and the submission id; the job's end is the run's exit code."""
+    import verl_oar.cpu.launch as launch
+    from verl_oar.cpu import ray_job
+
+    monkeypatch.setenv(RAY_ADDRESS_ENV, "127.0.0.1:6380")  # another cluster's, e.g. a test session's
+    monkeypatch.setenv("PYTHONPATH", "/patched/verl")
+    followed = []
+    monkeypatch.setattr(ray_job, "follow_job", lambda *job, timeout_s: followed.append((job, timeout_s)) or 7)
+    out = tmp_path / "seen.json"
+    script = (f"import json, os, sys; json.dump([sys.argv[1:], os.environ['RUNTIME_ENV_JSON'], "
+              f"os.environ['SUBMISSION_ID']], open({str(out)!r}, 'w'))")
+    rc = launch.run_trainer(["python3", "-c", script, "a=1"], tmp_path / "m.jsonl", cwd=tmp_path, timeout_s=60,
+                            job=("http://127.0.0.1:8265", "sub_1"))
+    args, runtime_env, submission = json.loads(out.read_text())
+    assert args == ["a=1", "ray_kwargs.ray_init.num_cpus=null", "++ray_kwargs.ray_init.num_gpus=null"]
+    env_vars = json.loads(runtime_env)["env_vars"]
+    assert env_vars["VERL_PLATFORM"] == "cpu" and env_vars["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "m.jsonl")
+    assert env_vars["PYTHONPATH"] == "/patched/verl" and RAY_ADDRESS_ENV not in env_vars
+    assert submission == "sub_1"
+    assert rc == 7 and followed[0][0] == ("http://127.0.0.1:8265", "sub_1") and 0 < followed[0][1] <= 60
+
+
+class _FakeJobClient:
+    """``ray.job_submission.JobSubmissionClient`` as ``ray_job.follow_job`` uses it, without a cluster: the job's log
+    (``lines``; ``None``: a log that never ends) and the statuses ``get_job_info`` reports in turn (the last one
+    repeated)."""
+
+    lines: list[str] | None = []
+    statuses: list[tuple[str, int | None]] = []
+    stopped: list[str] = []
+
+    def __init__(self, address: str):
+        self.address = address
+
+    async def tail_job_logs(self, submission_id: str):
+        import asyncio
+
+        if _FakeJobClient.lines is None:
+            await asyncio.sleep(3600)
+        for line in _FakeJobClient.lines:
+            yield line
+
+    def get_job_info(self, submission_id: str):
+        from types import SimpleNamespace
+
+        status, code = _FakeJobClient.statuses.pop(0) if len(_FakeJobClient.statuses) > 1 else \
+            _FakeJobClient.statuses[0]
+        return SimpleNamespace(status=status, message="", driver_exit_code=code)
+
+    def stop_job(self, submission_id: str):
+        _FakeJobClient.stopped.append(submission_id)
+        _FakeJobClient.statuses = [("STOPPED", None)]
+
+
+@pytest.mark.parametrize(("lines", "statuses", "rc"), [
+    (["step:1 - actor/pg_loss:0.1\n"], [("RUNNING", None), ("SUCCEEDED", 0)], 0),  # the log ends a moment before
+    (["Traceback ...\n"], [("FAILED", 3)], 3),  # the driver's exit code
+    ([], [("FAILED", None)], 1),  # failed without a driver exit code (e.g. the entrypoint never started)
+    ([], [("STOPPED", None)], 1),
+    (None, [("RUNNING", None)], 124),  # still running at the timeout: stopped
+])
+def test_a_followed_jobs_end_is_the_launchs_exit_code(monkeypatch, capsys, lines, statuses, rc):
+    """``ray_job.follow_job``, which the recipe copy's exit code comes from under ``$RAY_ADDRESS``: 0 only for a job
+    that SUCCEEDED (waiting for a terminal status after the log ends), the driver's exit code (or 1) for one that
+    FAILED or was STOPPED, 124 for one still running at the timeout, which is stopped; the job's log is printed.
+    A job failing on two Ray nodes is tests/e2e/test_two_nodes_on_cpu.py's."""
+    import ray.job_submission
+
+    from verl_oar.cpu import ray_job
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", _FakeJobClient)
+    monkeypatch.setattr(_FakeJobClient, "lines", lines)
+    monkeypatch.setattr(_FakeJobClient, "statuses", list(statuses))
+    monkeypatch.setattr(_FakeJobClient, "stopped", [])
+    assert ray_job.follow_job("http://127.0.0.1:8265", "sub_1", timeout_s=0.5) == rc
+    out = capsys.readouterr().out
+    assert all(line in out for line in lines or [])
+    assert _FakeJobClient.stopped == (["sub_1"] if lines is None else [])

@@ -4,6 +4,7 @@ top-level or inside a function, read from the source; and what ``import verl`` r
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,34 @@ def test_what_import_verl_loads_of_the_plugin(cpu_mode, request):
         assert heavy and all(m.startswith("verl_oar.cpu") for m in heavy), heavy
     else:
         assert heavy == [], heavy
+
+
+def test_the_plugin_says_what_imported_it():
+    """``plugin.IMPORTED_THROUGH`` (``plugin._importer``, run when the module loads): verl's entry point when
+    ``importlib.metadata``'s ``EntryPoint.load`` loads it from verl's ``__init__`` (in a fresh ``import verl``,
+    ``IMPORT_PROBE`` asserts that; a multi-node run checks it on each node's workers,
+    tests/e2e/test_two_nodes_on_cpu.py), any other importer named by file and line. Here on stacks built for it, in
+    this process (a fresh interpreter importing the plugin by hand cost 4-27 s of the fast tier)."""
+    import os
+    from functools import partial
+
+    from verl_oar.integration import plugin
+
+    def frames(filename: str, name: str) -> dict:
+        """a function ``name`` defined in a file named ``filename`` that calls its argument"""
+        namespace: dict = {}
+        exec(compile(f"def {name}(call):\n    return call()\n", filename, "exec"), namespace)
+        return namespace[name]
+
+    def module_body():  # the plugin's module body, which calls _importer (both dropped from the stack it reads)
+        return plugin._importer()
+
+    verl_init = frames(os.path.join("site-packages", "verl", "__init__.py"), "_discover_plugins")
+    entry_point_load = frames(os.path.join("lib", "importlib", "metadata", "__init__.py"), "load")
+    assert verl_init(partial(entry_point_load, module_body)) == plugin.ENTRY_POINT
+    line = sys._getframe().f_lineno + 1
+    assert module_body() == f"{__file__}:{line}"  # imported from this test, not by verl
+    assert verl_init(module_body).startswith(os.path.join("site-packages", "verl", "__init__.py"))  # not through load
 
 
 def _module_name(path: Path) -> str:

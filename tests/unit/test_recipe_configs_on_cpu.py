@@ -217,3 +217,23 @@ def test_the_cpu_copies_cover_every_fsdp2_oar_recipes_settings():
                 break
         else:
             raise AssertionError(f"{name}'s copy would run settings no trained copy has: {uncovered}")
+
+
+def test_launch_script_submits_a_ray_job_with_the_given_runtime_env_and_submission_id(tmp_path):
+    """``$RAY_ADDRESS``: ``ray job submit --no-wait`` to it, with ``$RUNTIME_ENV_JSON`` and ``$SUBMISSION_ID`` when set
+    (a stand-in ``ray`` on PATH prints its arguments)."""
+    fake_ray = tmp_path / "ray"
+    fake_ray.write_text("#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\n")
+    fake_ray.chmod(0o755)
+    runtime_env = '{"env_vars": {"A": "1 2"}}'
+    env = dict(os.environ, PYTHON="python3", RAY_ADDRESS="http://10.0.0.1:8265", RUNTIME_ENV_JSON=runtime_env,
+               SUBMISSION_ID="sub_1", PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(["bash", str(RECIPES_DIR / "run_qwen2_5_math_7b_oar_g.sh"), "trainer.nnodes=2"], env=env,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[:6] == ["job", "submit", "--address=http://10.0.0.1:8265", "--no-wait",
+                       f"--runtime-env-json={runtime_env}", "--submission-id=sub_1"]
+    assert out[6:9] == ["--", "python3", "-m"] and out[-1] == "trainer.nnodes=2"
+    env.pop("RUNTIME_ENV_JSON"), env.pop("SUBMISSION_ID")
+    out = subprocess.run(["bash", str(RECIPES_DIR / "launch.sh"), "qwen2_5_math_7b_oar_g"], env=env,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[:5] == ["job", "submit", "--address=http://10.0.0.1:8265", "--no-wait", "--"]

@@ -24,7 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-from verl_oar.cpu.overrides import cpu_overrides, metrics_file, ray_address, ray_overrides
+from verl_oar.cpu.overrides import (
+    RAY_ADDRESS_ENV,
+    cpu_overrides,
+    join_overrides,
+    metrics_file,
+    ray_address,
+    ray_overrides,
+)
 
 SUMMARY_METRICS = (
     "critic/score/mean",
@@ -69,9 +76,15 @@ def trainer_env(metrics_path: Path) -> dict[str, str]:
     env.setdefault("HYDRA_FULL_ERROR", "1")
     # (CUDA_VISIBLE_DEVICES is left alone: Ray refuses a pretend GPU count when it is set to "")
     if ray_address():
-        job_env = {k: v for k, v in env.items() if k in JOB_ENV_KEYS or k.startswith("VERL_OAR_")}
-        env["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps({"runtime_env": {"env_vars": job_env}})
+        env["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps({"runtime_env": {"env_vars": job_env_vars(env)}})
     return env
+
+
+def job_env_vars(env: dict[str, str]) -> dict[str, str]:
+    """What of ``env`` a run's Ray workers must see when they run in a cluster not started by the run: the
+    ``JOB_ENV_KEYS`` and every ``VERL_OAR_*`` but the cluster's address (the workers do not start runs)."""
+    return {k: v for k, v in env.items()
+            if (k in JOB_ENV_KEYS or k.startswith("VERL_OAR_")) and k != RAY_ADDRESS_ENV}
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -105,19 +118,37 @@ def run(
     return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s)
 
 
-def run_trainer(cmd: list[str], metrics_path: Path, *, cwd: Path, timeout_s: float | None = None) -> int:
+def run_trainer(cmd: list[str], metrics_path: Path, *, cwd: Path, timeout_s: float | None = None,
+                job: tuple[str, str] | None = None) -> int:
     """Run a trainer command in CPU mode (``trainer_env``), stream its output, print a per-step
-    summary from verl's file logger; return its exit code (124 on timeout)."""
+    summary from verl's file logger; return its exit code (124 on timeout).
+
+    ``job`` (a dashboard address and a submission id): ``cmd`` submits the run as that Ray job
+    (``recipes/launch.sh`` with ``$RAY_ADDRESS``); the job gets the run's environment as its runtime env and the
+    exit code and output are the job's (``ray_job``). The job's cluster is the one it joins, whatever
+    ``$VERL_OAR_RAY_ADDRESS`` says."""
+    from verl_oar.cpu import ray_job
+
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     metrics_path.unlink(missing_ok=True)
-    joins = ray_overrides()
-    if ray_address() and joins[0] not in cmd:  # e.g. a recipe's copy, which asks for a cluster of its own
-        cmd = [*cmd, *joins]
+    env = trainer_env(metrics_path)
+    if job:
+        env.pop("RAY_JOB_CONFIG_JSON_ENV_VAR", None)  # (for a driver started here; the job's driver is not)
+        env = ray_job.submit_env(env, job_env_vars(env), job[1])
+        cmd = [*cmd, *join_overrides()]
+    else:
+        joins = ray_overrides()
+        if ray_address() and joins[0] not in cmd:  # e.g. a recipe's copy, which asks for a cluster of its own
+            cmd = [*cmd, *joins]
     print("[verl-oar cpu] running: VERL_PLATFORM=cpu " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     start = time.time()
-    proc = subprocess.Popen(cmd, env=trainer_env(metrics_path), cwd=str(cwd), start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=str(cwd), start_new_session=True)
     try:
         rc = proc.wait(timeout=timeout_s)
+        if job and rc == 0:  # submitted: the job's end is the run's
+            print(f"[verl-oar cpu] submitted job {job[1]} to {job[0]}; following it", flush=True)
+            left = None if timeout_s is None else max(1.0, timeout_s - (time.time() - start))
+            rc = ray_job.follow_job(*job, timeout_s=left)
     except subprocess.TimeoutExpired:
         print(f"[verl-oar cpu] trainer exceeded {timeout_s} s; stopping it", flush=True)
         stop_process_group(proc)

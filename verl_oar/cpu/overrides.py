@@ -145,12 +145,16 @@ def ray_overrides(address: str | None = None, *, ranks: int = 1) -> list[str]:
     works after a recipe's own ``num_gpus``/``num_cpus`` overrides too."""
     address = address or ray_address()
     if address:
-        return [
-            f"++ray_kwargs.ray_init.address={address}",
-            "ray_kwargs.ray_init.num_cpus=null",
-            "++ray_kwargs.ray_init.num_gpus=null",
-        ]
+        return join_overrides(address)
     return own_cluster_overrides(ranks)
+
+
+def join_overrides(address: str | None = None) -> list[str]:
+    """``ray_kwargs.ray_init`` joining a running cluster: the one at ``address``, or, without one, the cluster
+    ``ray.init`` finds itself (``$RAY_ADDRESS``: a Ray job's driver has it from the job supervisor). No resource
+    counts (Ray refuses them when joining); they replace a recipe's own."""
+    return [*([f"++ray_kwargs.ray_init.address={address}"] if address else []),
+            "ray_kwargs.ray_init.num_cpus=null", "++ray_kwargs.ray_init.num_gpus=null"]
 
 
 def own_cluster_overrides(ranks: int = 1) -> list[str]:
@@ -200,6 +204,18 @@ def check_ranks(ranks: int, *, rows: int | None = None, mini_batch_rows: int | N
                 f"mini-batch ({mini_batch_rows} rows over {ranks} ranks): set "
                 f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu to a divisor of {share}, e.g. {share}."
             )
+
+
+def check_nodes(ranks: int, nodes: int) -> None:
+    """Refuse a node count the ranks cannot split over evenly (verl gives every node ``trainer.n_gpus_per_node``
+    ranks). Several nodes put the ranks on different Ray nodes only in a cluster whose nodes have that many
+    (pretend) GPUs each: verl packs each node's ranks into a placement group of their own (``STRICT_PACK``), and a
+    single node with enough GPUs takes them all."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes={nodes!r} is invalid: a positive whole number of nodes (1, 2, ...)")
+    if ranks % nodes:
+        raise ValueError(f"ranks={ranks} do not split evenly over nodes={nodes}: every node runs the same number of "
+                         f"ranks (trainer.n_gpus_per_node); use a multiple of {nodes} ranks")
 
 
 def metrics_file(workspace_dir: str | os.PathLike, experiment_name: str = "cpu_smoke") -> Path:

@@ -8,7 +8,7 @@ start-up checks and ``python -m verl.trainer.main_ppo`` are those of a cluster r
 overrides (:func:`recipe_cpu_overrides`) change only
 
 - what a CPU machine cannot run: the hf rollout instead of vLLM, pretend GPUs (one per rank, ``--ranks``,
-  default 1; several ranks run FSDP2 over gloo), fp32, SDPA
+  default 1; several ranks run FSDP2 over gloo; ``--nodes`` splits them over Ray nodes), fp32, SDPA
   attention, no torch.compile, one TransferQueue storage unit (see ``overrides.py`` for why each);
 - the sizes: the tiny model and arithmetic data of the CPU workspace instead of Qwen2.5-Math and
   MATH/GSM8K, 64 + 48 tokens instead of 1024 + 3072, 2 prompts per step in 2 PPO mini-batches
@@ -17,6 +17,9 @@ overrides (:func:`recipe_cpu_overrides`) change only
 Everything else is the recipe's: the estimator and ``algorithm.oar``, n responses per prompt, the
 loss (KL loss, clip ratio, token-mean, entropy coefficient), dynamic batch size and token budgets,
 gradient checkpointing, offload, the math-verify reward.
+
+With ``$RAY_ADDRESS`` (a running cluster's dashboard) the copy is submitted to that cluster as a Ray job by
+``recipes/launch.sh``, as a cluster user's run is, and followed to its end (``ray_job``).
 
 Only a GPU runs what the copy replaces (:data:`GPU_ONLY`). A Megatron recipe is refused here:
 megatron-core needs CUDA, and its FSDP2 twin is the recipe of the same name without ``_megatron``.
@@ -39,8 +42,9 @@ GPU_ONLY = (
     "vLLM rollout (the copy uses the hf rollout: transformers generate)",
     "Megatron engine (megatron-core needs CUDA; Megatron recipes are composed and validated only)",
     "bf16 mixed precision and flash attention (the copy runs fp32 with SDPA)",
-    "several nodes and NCCL: Ray placement across nodes, vLLM tensor parallel (the copy runs data-parallel FSDP2 "
-    "ranks over gloo on one node with ``--ranks``)",
+    "NCCL and real interconnects: NCCL collectives, vLLM tensor parallel over GPUs and nodes, real bandwidth (the copy "
+    "runs data-parallel FSDP2 ranks over gloo with ``--ranks``, on Ray nodes of one machine with ``--nodes`` and a "
+    "cluster's ``$RAY_ADDRESS``)",
     "the real model, data and lengths (Qwen2.5-Math, MATH/GSM8K, 1024 + 3072 tokens) and their memory",
     "validation on the evaluation sets and checkpoint saving",
 )
@@ -62,13 +66,15 @@ RECIPE_N = 8
 
 
 def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experiment_name: str,
-                         teacher: bool = False, ranks: int = 1) -> list[str]:
+                         teacher: bool = False, ranks: int = 1, nodes: int = 1) -> list[str]:
     """Overrides appended after a recipe's own, turning it into a CPU run over the CPU workspace (``teacher``:
     OPPO's teacher becomes the workspace model, i.e. the actor's starting weights; ``ranks``: data-parallel
-    ranks, as ``overrides.cpu_overrides``; a PPO mini-batch's 8 rows must split over them)."""
-    from verl_oar.cpu.overrides import check_ranks, own_cluster_overrides
+    ranks, as ``overrides.cpu_overrides``; a PPO mini-batch's 8 rows must split over them; ``nodes``:
+    ``trainer.nnodes``, the ranks split evenly over them, ``ranks / nodes`` pretend GPUs per node)."""
+    from verl_oar.cpu.overrides import check_nodes, check_ranks, own_cluster_overrides
 
     check_ranks(ranks, rows=RECIPE_COPY_PROMPTS * RECIPE_N, mini_batch_rows=RECIPE_N)
+    check_nodes(ranks, nodes)
     ws = Path(workspace_dir).expanduser().resolve()
     fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
     return ([f"algorithm.oppo.teacher.path={ws / 'model'}"] if teacher else []) + [
@@ -95,10 +101,10 @@ def recipe_cpu_overrides(workspace_dir: str | os.PathLike, *, steps: int, experi
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "reward.num_workers=1",
         "trainer.device=cpu",
-        f"trainer.n_gpus_per_node={ranks}",
-        "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={ranks // nodes}",
+        f"trainer.nnodes={nodes}",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        *own_cluster_overrides(ranks),  # run_trainer appends the joining ones under $VERL_OAR_RAY_ADDRESS
+        *own_cluster_overrides(ranks),  # run_trainer appends the joining ones (a job, $VERL_OAR_RAY_ADDRESS)
         # --- a short run: no validation, no checkpoints, local logging ---
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
@@ -127,9 +133,12 @@ def run(
     timeout_s: float | None = None,
     recipes_dir: Path = RECIPES_DIR,
     ranks: int = 1,
+    nodes: int = 1,
 ) -> int:
-    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk, on ``ranks`` ranks; return its exit
-    code."""
+    """Build the CPU workspace, run ``bash recipes/run_<recipe>.sh`` shrunk, on ``ranks`` ranks over ``nodes``
+    nodes; return its exit code. With ``$RAY_ADDRESS`` (a dashboard), launch.sh submits the run as a Ray job to that
+    cluster and this follows it (``ray_job``): the exit code and output are the job's."""
+    from verl_oar.cpu import ray_job
     from verl_oar.cpu.workspace import build_workspace
 
     names = recipe_names(recipes_dir)
@@ -144,11 +153,17 @@ def run(
     experiment_name = experiment_name or f"cpu_{recipe}"
     script = recipes_dir / f"run_{recipe}.sh"
     cmd = ["bash", str(script), *recipe_cpu_overrides(ws.root, steps=steps, experiment_name=experiment_name,
-                                                      teacher=has_teacher(recipe, recipes_dir), ranks=ranks)]
+                                                      teacher=has_teacher(recipe, recipes_dir), ranks=ranks,
+                                                      nodes=nodes)]
     cmd += list(extra_overrides or [])
     os.environ.setdefault("PYTHON", sys.executable)  # launch.sh's interpreter: this environment's
     os.environ.setdefault("DATA_DIR", str(ws.root / "data"))
-    return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s)
+    job = None
+    if ray_job.dashboard_address():
+        job = (ray_job.dashboard_address(), ray_job.new_submission_id(experiment_name))
+        # launch.sh's `ray job submit`: this environment's
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s, job=job)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiment-name", default=None, help="names the metrics file (default cpu_<recipe>)")
     parser.add_argument("--timeout", type=float, default=None, help="stop the trainer after this many seconds")
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel FSDP2 ranks over gloo (default 1)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="trainer.nnodes, the ranks split evenly over them (default 1); with $RAY_ADDRESS (a "
+                             "dashboard) the copy is submitted to that cluster as a Ray job")
     args, extra = parser.parse_known_args(argv)
     return run(
         args.recipe,
@@ -171,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_overrides=extra,
         timeout_s=args.timeout,
         ranks=args.ranks,
+        nodes=args.nodes,
     )
 
 

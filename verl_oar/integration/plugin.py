@@ -26,6 +26,31 @@ import traceback
 from collections.abc import Callable
 
 LOAD_ERROR: str | None = None
+ENTRY_POINT = "verl.plugins entry point"
+"""what :data:`IMPORTED_THROUGH` says when verl's own plugin discovery loaded this module"""
+
+
+def _importer() -> str:
+    """What imported this module: :data:`ENTRY_POINT` when ``importlib.metadata.EntryPoint.load`` did, called from
+    verl's ``__init__`` (verl 0.9.1's discovery of the ``verl.plugins`` group, in every process that imports verl);
+    otherwise ``file:line`` of the first frame outside Python's import machinery."""
+    try:
+        outer = [f for f in traceback.extract_stack()[:-2]
+                 if not f.filename.startswith("<frozen") and f.filename != __file__
+                 and not f.filename.endswith(os.path.join("importlib", "__init__.py"))]
+        if not outer:
+            return "unknown"
+        last = outer[-1]
+        if (last.name == "load" and last.filename.endswith(os.path.join("importlib", "metadata", "__init__.py"))
+                and len(outer) > 1 and outer[-2].filename.endswith(os.path.join("verl", "__init__.py"))):
+            return ENTRY_POINT
+        return f"{last.filename}:{last.lineno}"
+    except Exception:  # noqa: BLE001 - a diagnostic only; never break verl's import
+        return "unknown"
+
+
+IMPORTED_THROUGH = _importer()
+"""how this process loaded the plugin (:func:`_importer`): a multi-node run checks it on every node's workers"""
 
 
 def cpu_mode_requested() -> bool:

@@ -10,7 +10,8 @@ configuration and returns
   built exactly as verl would (``type(trainer) is PPOTrainerSync``); when the run grades with verl-oar's math
   reward, verl's class plus ``grading.GradingMixin`` (ungraded answers counted and left out of the update);
 - for a token-level estimator under ``sync``: ``OARTrainerSync``, verl's ``PPOTrainerSync`` plus three
-  overridden methods that call ``super()`` (and CoDaSampling's, ``codapo_sampling``, inert unless on);
+  overridden methods that call ``super()`` (and CoDaSampling's, ``codapo_sampling``, inert unless on; and ``fit``,
+  which names lost ranks and nodes when a run fails after losing them, ``lost_workers``);
 - for a token-level estimator under any other mode: a start-up refusal (``validate``).
 
 verl's legacy trainer (``trainer.use_v1=false``) has no registry: ``main_ppo_v0`` builds
@@ -98,10 +99,12 @@ def _oar_trainer_sync(base):
 
     from verl_oar.integration.codapo_sampling import CoDaSamplingMixin
     from verl_oar.integration.dump import dump_step
+    from verl_oar.integration.lost_workers import LostWorkerMixin
     from verl_oar.integration.signals import TokenSignals, provide, real_rows, session_final_rows
 
-    class OARTrainerSync(GradingMixin, CoDaSamplingMixin, base):
-        """verl's sync trainer, plus token signals for estimators that declare them (and CoDaSampling)."""
+    class OARTrainerSync(LostWorkerMixin, GradingMixin, CoDaSamplingMixin, base):
+        """verl's sync trainer, plus token signals for estimators that declare them (and CoDaSampling); a run that
+        fails after losing a rank's worker or node names them (``lost_workers``)."""
 
         def __init__(self, config, *args, **kwargs):
             self._token_signals = check_token_signals_supported(config, "sync")
