@@ -44,7 +44,9 @@ class CPUMegatronEngine:
     """What ``engines.megatron`` reads of verl's ``MegatronEngineWithLMHead`` (which needs CUDA to build):
     the model chunks, the engine and model configs, and verl's own log-prob / entropy processor."""
 
-    def __init__(self, model):
+    def __init__(self, model, hf_config=None, pad_token_id: int = 0):
+        """``hf_config``: the checkpoint's (``vocab_size``, ``hidden_size``, ``architectures``); default: this
+        check's random ``GPTModel``'s."""
         from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
         self._processor = MegatronEngineWithLMHead._lm_head_logits_processor
@@ -52,8 +54,9 @@ class CPUMegatronEngine:
         self.engine_config = SimpleNamespace(use_remove_padding=False, pad_to_length=False, pad_to_length_bucket=None,
                                              pad_bshd_to_minibatch_max=True, dynamic_context_parallel=False,
                                              entropy_from_logits_with_chunking=False)
-        hf_config = SimpleNamespace(vocab_size=VOCAB, hidden_size=HIDDEN, architectures=["Qwen2ForCausalLM"])
-        self.model_config = SimpleNamespace(hf_config=hf_config, tokenizer=SimpleNamespace(pad_token_id=0))
+        if hf_config is None:
+            hf_config = SimpleNamespace(vocab_size=VOCAB, hidden_size=HIDDEN, architectures=["Qwen2ForCausalLM"])
+        self.model_config = SimpleNamespace(hf_config=hf_config, tokenizer=SimpleNamespace(pad_token_id=pad_token_id))
 
     def _lm_head_logits_processor(self, *args, **kwargs):
         return self._processor(self, *args, **kwargs)
