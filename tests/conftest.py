@@ -29,6 +29,7 @@ HEAVY_NON_LAUNCH_FIRST = (
     "unit/test_upstream_prs_on_cpu.py", "unit/test_fast_runner_on_cpu.py", "engine-checks",
     "unit/test_recipe_configs_on_cpu.py", "unit/test_trainer_hook_on_cpu.py", "unit/test_gpu_acceptance_on_cpu.py",
     "engine/test_engine_multirank_on_cpu.py", "engine/test_megatron_real_on_cpu.py",
+    "engine/test_megatron_llama_on_cpu.py",
     "engine/test_rank_errors_on_cpu.py", "engine/test_megatron_engine_on_cpu.py", "unit/test_study_report_on_cpu.py",
     "unit/test_memory_estimate_on_cpu.py",
     "unit/test_heatmap_checkpoint_on_cpu.py", "unit/test_check_on_cpu.py", "unit/test_demo_on_cpu.py",

@@ -4,7 +4,7 @@ against transformers, and OAR's importance on it against verl's FSDP2 engine on 
 Run by ``tests/engine/test_megatron_llama_on_cpu.py`` (a tiny random Llama) and ``benchmarks/megatron_smollm2.py``
 (SmolLM2-135M), one process per rank of a WORLD-rank gloo group (torch.distributed's group is process-global):
 
-    python megatron_llama_check.py RANK WORLD PORT MODEL_DIR ROWS OUT
+    python megatron_llama_check.py RANK WORLD PORT MODEL_DIR ROWS OUT [IMPORTANCE_LAYOUTS]
 
 ROWS is a JSON file ``{"prompts": [[id, ...], ...], "responses": [[id, ...], ...]}`` (each response ending with
 its end token). Every rank scores all the rows, first on verl's FSDP2 engine through the plugin's
@@ -22,7 +22,8 @@ parallel WORLD), TP = WORLD, and TP = WORLD with sequence parallelism, in fp32 a
    sees them: the query/key/value rows stacked whole as transformers keeps them instead of per query group, and
    the MLP's gate and up rows split over the ranks as one block instead of each shard holding its own of both.
 
-Each rank writes ``{dtype}_{layout}_rank{r}.pt``.
+Each rank writes ``{dtype}_{layout}_rank{r}.pt``. IMPORTANCE_LAYOUTS (comma-separated, e.g. ``tp3,tp3_sp``) limits 2.
+to those layouts (the real model's OAR-P takes a minute per layout); default all.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -150,7 +152,7 @@ def wrong_layouts(model, hf_config, hf_state, engine, prompts, responses, want) 
     tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     layer, prefix = model.decoder.layers[0], "model.layers.0."
     qkv = torch.cat([hf_state[prefix + f"self_attn.{x}_proj.weight"] for x in "qkv"]).chunk(tp)[rank]
-    fc1 = torch.cat([hf_state[prefix + "mlp.gate_proj.weight"], hf_state[prefix + "mlp.up_proj.weight"]]).chunk(tp)[rank]
+    fc1 = torch.cat([hf_state[prefix + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]).chunk(tp)[rank]
     out = {}
     for name, param, wrong in (("qkv_stacked_whole", layer.self_attention.linear_qkv.weight, qkv),
                                ("fc1_split_as_one_block", layer.mlp.linear_fc1.weight, fc1)):
@@ -165,7 +167,8 @@ def wrong_layouts(model, hf_config, hf_state, engine, prompts, responses, want) 
     return out
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, rows_path: str, out_dir: str) -> None:
+def run_rank(rank: int, world: int, port: int, model_dir: str, rows_path: str, out_dir: str,
+             importance_layouts: str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), VERL_PLATFORM="cpu")
     torch.set_num_threads(1)
@@ -182,7 +185,10 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, rows_path: str, o
 
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     prompts, responses = read_rows(rows_path)
-    torch.save(fsdp_importance(model_dir, world, prompts, responses), os.path.join(out_dir, f"fsdp_rank{rank}.pt"))
+    start = time.perf_counter()
+    fsdp = fsdp_importance(model_dir, world, prompts, responses)
+    fsdp["seconds"] = time.perf_counter() - start   # the worker's construction included
+    torch.save(fsdp, os.path.join(out_dir, f"fsdp_rank{rank}.pt"))
     apply_megatron_patches()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -192,6 +198,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, rows_path: str, o
     del hf
     scale = max(float(x.abs().max()) for x in want["fp32"])
     layouts = {"tp1": (1, False), f"tp{world}": (world, False), f"tp{world}_sp": (world, True)}
+    scored = set(importance_layouts.split(",")) if importance_layouts else set(layouts)
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for layout, (tp, sp) in layouts.items():
             mpu.destroy_model_parallel()
@@ -206,7 +213,10 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, rows_path: str, o
                 result["logits_err_vs_hf_bf16"] = max_diff(got, want["bf16"])
                 result["hf_bf16_err"] = max_diff(want["bf16"], want["fp32"])
             else:
-                result.update(importance(engine, tokenizer, prompts, responses))
+                if layout in scored:
+                    start = time.perf_counter()
+                    result.update(importance(engine, tokenizer, prompts, responses))
+                    result["importance_seconds"] = time.perf_counter() - start
                 if not sp:
                     result["wrong_layouts"] = wrong_layouts(model, hf_config, hf_state, engine, prompts, responses,
                                                             want["fp32"])
@@ -217,4 +227,4 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, rows_path: str, o
 
 
 if __name__ == "__main__":
-    run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7])
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:8])
