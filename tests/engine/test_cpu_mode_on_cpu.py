@@ -28,7 +28,7 @@ def test_cpu_platform_registers_runs_a_gloo_collective_and_finds_every_patch_tar
     assert cpu_mode_process.returncode == 0, cpu_mode_process.failure()
     assert "CPU-PLATFORM-OK" in cpu_mode_process.stdout, cpu_mode_process.failure()
     found = [line for line in cpu_mode_process.stdout.splitlines() if line.startswith("ok ")]
-    assert len(found) == 3, cpu_mode_process.stdout  # the three CPU-mode patches, each target found
+    assert len(found) == 5, cpu_mode_process.stdout  # the five CPU-mode patches, each target found
 
 
 def test_a_missing_patch_target_fails_loudly_with_its_name():

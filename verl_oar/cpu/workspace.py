@@ -93,6 +93,11 @@ class WorkspaceSpec:
         return hashlib.sha256(payload + reward_src).hexdigest()[:16]
 
 
+VLLM_SPEC = WorkspaceSpec(num_attention_heads=2, num_key_value_heads=2)
+"""the workspace for verl's vLLM rollout on vLLM's CPU build (``launch --rollout vllm``): heads 32 wide (hidden 64 over
+2 heads), the narrowest its CPU attention accepts; the default's 16-wide heads are refused"""
+
+
 @dataclass(frozen=True)
 class Workspace:
     """Paths of a built workspace."""
