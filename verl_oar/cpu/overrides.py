@@ -128,8 +128,9 @@ def vllm_overrides(*, max_model_len: int = 64 + 48, kv_cache_mib: int = 256) -> 
     CPU its default is a fraction of the host's memory)."""
     return [
         "actor_rollout_ref.rollout.name=vllm",
-        # required: vLLM's CPU build has no sleep mode, so nothing to free between steps either
-        "actor_rollout_ref.rollout.enable_sleep_mode=False",
+        # required: vLLM's CPU build has no sleep mode, so nothing to free between steps either (verl 0.9.1's
+        # rollout config has the key in its dataclass only, default True, not in its YAML: hence ++)
+        "++actor_rollout_ref.rollout.enable_sleep_mode=False",
         "actor_rollout_ref.rollout.free_cache_engine=False",
         # eager: vLLM's torch.compile warm-up takes 110-160 s on 2 cores against about 30 s without it
         "actor_rollout_ref.rollout.enforce_eager=True",
