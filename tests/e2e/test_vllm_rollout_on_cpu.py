@@ -66,23 +66,30 @@ def test_oar_g_through_verls_vllm_rollout(vllm_workspace, tmp_path, shared_ray_c
         assert data["training/rollout_probs_diff_mean"] < PROBS_DIFF_BOUND, (record["step"], data)
         assert data["oar/mass_error/max_abs"] < 1e-4 and data["oar/timing_s/token_importance"] > 0
         assert data["actor/pg_loss"] == data["actor/pg_loss"]  # not NaN
-    _check_greedy_validation_matches_transformers(val_dir, vllm_workspace.model_dir)
+    _check_greedy_validation_matches_transformers(val_dir, vllm_workspace)
 
 
-def _check_greedy_validation_matches_transformers(val_dir, model_dir) -> None:
+def _check_greedy_validation_matches_transformers(val_dir, workspace) -> None:
     """verl's greedy validation before training (vLLM, right after the first weight sync over its dummy start)
-    against transformers' greedy decoding of the workspace model: the same text for every validation prompt."""
+    against transformers' greedy decoding of the workspace model: the same text for every validation prompt. (verl
+    dumps prompts decoded without special tokens: each is matched to its chat-templated prompt of the val file.)"""
+    import pandas as pd
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    [dump] = sorted(val_dir.glob("0.jsonl"))
+    [dump] = sorted(val_dir.glob("*.jsonl"))
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
-    assert rows
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(workspace.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(workspace.model_dir, dtype=torch.float32).eval()
+    prompts = {}
+    for messages in pd.read_parquet(workspace.val_file)["prompt"]:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prompts[tokenizer.decode(ids, skip_special_tokens=True)] = ids
+    assert len(rows) == len(prompts) > 0 and all(row["input"] in prompts for row in rows)
     mismatched = []
     for row in rows:
-        ids = tokenizer(row["input"], add_special_tokens=False, return_tensors="pt").input_ids
+        ids = torch.tensor([prompts[row["input"]]])
         with torch.no_grad():
             out = model.generate(ids, do_sample=False, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id)
