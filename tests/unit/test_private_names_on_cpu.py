@@ -60,6 +60,8 @@ UNROUTED = {
         "target is checked by verl_patches.VLLM_TARGETS when the vllm replica loads)",
     ("cpu/vllm_rollout.py", "_iter_all_models_with_config"): "vLLMColocateWorkerExtension's helper naming the models "
         "verl's own post-load step runs on; called, not replaced (checked as _get_worker_extension_cls)",
+    ("cpu/vllm_rollout.py", "_update_weights"): "vLLMColocateWorkerExtension's per-bucket load; CPU mode's extension "
+        "overrides it to load copies and calls it (checked as _get_worker_extension_cls)",
     ("cpu/verl_patches.py", "_load_vllm"): "a string: the patch record's target, the verl loader whose modules read "
         "vLLM's version (verl_patches.VerlPatch.target checks it exists; nothing calls it)",
 }

@@ -234,6 +234,14 @@ VLLM_TARGETS: tuple[VerlPatch, ...] = (
         apply=lambda module: None,
     ),
     VerlPatch(
+        name="vllm_cpu_bucket_copies",
+        module="verl.workers.rollout.vllm_rollout.utils",
+        attribute="vLLMColocateWorkerExtension._update_weights",
+        why="the layerwise reload keeps loaded tensors until their layer is complete, and verl's buckets are views of "
+            "a shared-memory segment it closes after the last one (\"cannot close exported pointers exist\")",
+        apply=lambda module: None,
+    ),
+    VerlPatch(
         name="vllm_cpu_tied_lm_head",
         module="verl.workers.rollout.vllm_rollout.utils",
         attribute="vLLMColocateWorkerExtension._iter_all_models_with_config",

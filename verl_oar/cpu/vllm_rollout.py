@@ -12,7 +12,8 @@ Each class overrides one method and calls ``super()``:
   sleep mode on, attention heads narrower than 32 or of a width its kernels lack), and starts ``CPUvLLMHttpServer`` instead of verl's server;
 - ``CPUvLLMHttpServer``: names ``CPUvLLMWorkerExtension`` as vLLM's worker extension;
 - ``CPUvLLMWorkerExtension``: runs verl's weight update inside vLLM's layerwise reload, then the tied lm_head's
-  post-load step (:func:`reload_weights`).
+  post-load step (:func:`reload_weights`), loading copies of each received bucket (the reload keeps tensors until
+  their layer is complete, and verl closes the shared-memory segment its buckets are views of).
 
 Why the weight update needs that: vLLM's CPU build repacks every linear layer once its weights are loaded (its
 ``process_weights_after_loading`` hands the layer a packed oneDNN or sgl kernel and replaces ``layer.weight`` by an
@@ -126,6 +127,12 @@ class CPUvLLMWorkerExtension(vLLMColocateWorkerExtension):
         models = list(self._iter_all_models_with_config())
         with reload_weights(models):
             return super().update_weights_from_ipc(*args, **kwargs)
+
+    def _update_weights(self, weights: list[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any):
+        # the layerwise reload keeps each tensor until its layer is complete (attention-like layers: until the end),
+        # and verl's bucket is a view of its shared-memory segment, which it closes after the last bucket ("cannot
+        # close exported pointers exist"): load copies, as verl does for LoRA tensors for the same reason
+        return super()._update_weights([(name, tensor.clone()) for name, tensor in weights], *args, **kwargs)
 
 
 class reload_weights:  # noqa: N801 (a context manager, named for what it brackets)
