@@ -5,7 +5,7 @@ sync of an already-loaded engine still need CPU mode's two fixes, and do they gi
 
 A random tiny Qwen2 with tied embeddings and 32-wide heads (the workspace's tokenizer, hidden 64 over 2 heads) is
 loaded by vLLM (``load_format=dummy``, as verl starts it; eager; its model in this process), then synced as verl's
-worker extension syncs it, six times, each with changed weights (as after a training step):
+worker extension syncs it, five times, each with changed weights (as after a training step):
 
 1. ``fixed``: ``model.load_weights`` and verl's own post-load step inside ``verl_oar.cpu.vllm_rollout.reload_weights``
    (layerwise reload + tied lm_head refresh), as ``CPUvLLMWorkerExtension.update_weights_from_ipc`` runs them (over
@@ -14,9 +14,7 @@ worker extension syncs it, six times, each with changed weights (as after a trai
 3. ``layerwise_verl_postload``: the same without the tied lm_head refresh (verl's post-load step, run while the
    lm_head is still unloaded, leaves it a plain ``F.linear`` over the live tied weight: right, unpacked);
 4. ``layerwise_no_postload``: vLLM's layerwise reload alone: the tied lm_head keeps its packed start-up kernel;
-5. ``shm_views`` / ``shm_copies``: the fix, loading views of a shared-memory segment (as verl's bucket receiver hands
-   them over), or copies of them, and closing the segment inside the reload, as the receiver does;
-6. ``plain``: ``model.load_weights`` alone, as verl 0.9.1 syncs: fails (vLLM repacked each linear layer).
+5. ``plain``: ``model.load_weights`` alone, as verl 0.9.1 syncs: fails (vLLM repacked each linear layer).
 
 After each sync it prints one JSON line: the largest |log-prob| difference between vLLM's prompt log-probs and
 transformers' on the same weights (fp32), and whether greedy continuations are equal.
@@ -49,21 +47,6 @@ def build_model(out: Path):
                 p.mul_(8.0)
     save_model_dir(model, tokenizer, out)
     return model.eval(), tokenizer
-
-
-def _shared_memory_views(state_dict: dict[str, torch.Tensor]):
-    """The tensors copied into one shared-memory segment, returned as views of it (verl's bucketed receiver's form)."""
-    from multiprocessing import shared_memory
-
-    total = sum(t.numel() * t.element_size() for t in state_dict.values())
-    segment = shared_memory.SharedMemory(create=True, size=total)
-    views, offset = [], 0
-    for name, tensor in state_dict.items():
-        view = torch.frombuffer(segment.buf, dtype=tensor.dtype, count=tensor.numel(), offset=offset).view(tensor.shape)
-        view.copy_(tensor)
-        views.append((name, view))
-        offset += tensor.numel() * tensor.element_size()
-    return segment, views
 
 
 def main(out_dir: str) -> None:
@@ -136,6 +119,7 @@ def main(out_dir: str) -> None:
     process_weights_after_loading(model, model_config, torch.device("cpu"))
     finalize_layerwise_reload(model, model_config)
     report("layerwise_verl_postload", llm)
+    fixed_sync()  # the lm_head packed again (case 3 left it a plain F.linear)
 
     # 4. vLLM's layerwise reload alone (as vLLM's own reload runs it): the tied lm_head's kernel keeps old weights
     perturb(4)
@@ -144,28 +128,7 @@ def main(out_dir: str) -> None:
     finalize_layerwise_reload(model, model_config)
     report("layerwise_no_postload", llm)
 
-    # 5. from views of a shared-memory segment, as verl's bucket receiver hands them over and then closes the segment
-    #    before the reload finishes: without copies a buffered tensor (the vocabulary-padded embedding waits for
-    #    finalize) still exports the segment's memory
-    for case, copy in (("shm_views", False), ("shm_copies", True)):
-        perturb(5 + copy)
-        segment, views = _shared_memory_views(hf.state_dict())
-        error = None
-        with reload_weights([(model, model_config)]):
-            model.load_weights([(name, t.clone() if copy else t) for name, t in views])
-            del views
-            try:
-                segment.close()
-            except BufferError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            process_weights_after_loading(model, model_config, torch.device("cpu"))
-        if error:
-            segment.close()
-        segment.unlink()
-        print(json.dumps({"case": case, "close_error": error}), flush=True)
-    report("after_shm", llm)
-
-    # 6. plain load_weights, as verl 0.9.1 syncs
+    # 5. plain load_weights, as verl 0.9.1 syncs
     perturb(3)
     try:
         model.load_weights(list(hf.state_dict().items()))
