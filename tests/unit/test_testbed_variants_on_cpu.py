@@ -51,7 +51,7 @@ def test_the_variants_grow_the_filler_and_fill2_is_the_committed_start():
     assert all(s.word_length == 3 for s in specs)
     # today's start is untouched: its recorded fingerprint is the default spec's
     assert read_manifest(COMMITTED, "testbed.json")["fingerprint"] == TestbedSpec().fingerprint()
-    with pytest.raises(ValueError, match="no pick_max variant 'fill9'; known: fill2, fill8, fill32"):
+    with pytest.raises(ValueError, match="no pick_max variant 'fill9'; known: fill2, fill8, fill32, fill64"):
         variant("fill9")
 
 

@@ -13,6 +13,7 @@ variant    filler words  non-causal tokens      response tokens        folder
 fill2      2             26 (1x)                55                     ``testbed/start`` (the start)
 fill8      8             98 (3.8x)              127                    ``testbed/variants/fill8``
 fill32     32            386 (14.8x)            415                    ``testbed/variants/fill32``
+fill64     64            770 (29.6x)            799                    ``testbed/variants/fill64``
 =========  ============  =====================  =====================  ==============================
 
 Each committed folder has the layout of ``testbed/start`` (model, data, reward.py, testbed.json; no OPPO
@@ -108,6 +109,9 @@ VARIANTS: dict[str, Variant] = {
                  filler_words=8, init_from=START.fingerprint(), warm_start_steps=1000),
         _variant("fill32", "32 filler words per gap: 193 non-causal tokens per pick",
                  filler_words=32, max_position_embeddings=512, init_from=START.fingerprint(), warm_start_steps=2400,
+                 warm_start_batch_size=16),
+        _variant("fill64", "64 filler words per gap: 385 non-causal tokens per pick",
+                 filler_words=64, max_position_embeddings=1024, init_from=START.fingerprint(), warm_start_steps=2400,
                  warm_start_batch_size=16),
     )
 }
