@@ -111,7 +111,7 @@ VARIANTS: dict[str, Variant] = {
                  filler_words=32, max_position_embeddings=512, init_from=START.fingerprint(), warm_start_steps=2400,
                  warm_start_batch_size=16),
         _variant("fill64", "64 filler words per gap: 385 non-causal tokens per pick",
-                 filler_words=64, max_position_embeddings=1024, init_from=START.fingerprint(), warm_start_steps=2400,
+                 filler_words=64, max_position_embeddings=1024, init_from=START.fingerprint(), warm_start_steps=9600,
                  warm_start_batch_size=16),
     )
 }
