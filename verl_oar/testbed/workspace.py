@@ -382,19 +382,20 @@ def is_right(text: str, problem: PickMaxProblem) -> bool:
 _SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
-def initial_model(spec: TestbedSpec, tokenizer):
+def initial_model(spec: TestbedSpec, tokenizer, init: Testbed | None = None):
     """The model the warm start begins from: fresh (``cpu.workspace.new_tiny_model``), or with
-    ``spec.init_from`` the committed start's weights in a model of ``spec``'s context (RoPE has no
-    position parameters: a longer ``max_position_embeddings`` takes the same weights)."""
+    ``spec.init_from`` the weights of the built testbed ``init`` (default: the committed start), whose fingerprint
+    it must be, in a model of ``spec``'s context (RoPE has no position parameters: a longer
+    ``max_position_embeddings`` takes the same weights)."""
     model = new_tiny_model(spec, tokenizer)
     if not spec.init_from:
         return model
     from transformers import AutoModelForCausalLM
 
-    start = committed_testbed()
+    start = init if init is not None else committed_testbed()
     if start.manifest["fingerprint"] != spec.init_from:
-        raise ValueError(f"pick_max testbed: init_from={spec.init_from} names a start that is not the committed one "
-                         f"({start.manifest['fingerprint']} in {start.root}); set init_from to the committed start's "
+        raise ValueError(f"pick_max testbed: init_from={spec.init_from} names a start that is not the one given "
+                         f"({start.manifest['fingerprint']} in {start.root}); set init_from to that testbed's "
                          f"fingerprint and rebuild (testbed.variants does so: python -m verl_oar.testbed.variants NAME --force)")
     differs = [f"{k} {getattr(start.spec, k)} vs {getattr(spec, k)}" for k in _SHAPE if getattr(start.spec, k) != getattr(spec, k)]
     if differs:
@@ -405,8 +406,10 @@ def initial_model(spec: TestbedSpec, tokenizer):
     return model
 
 
-def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None, *, force: bool = False) -> Testbed:
-    """Build (or reuse, same fingerprint) the pick_max testbed in ``directory``; return its paths."""
+def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None, *, force: bool = False,
+                  init: Testbed | None = None) -> Testbed:
+    """Build (or reuse, same fingerprint) the pick_max testbed in ``directory``; return its paths. ``init``: the
+    built testbed whose model a spec with ``init_from`` starts from (default: the committed start)."""
     import torch
 
     spec = spec or TestbedSpec()
@@ -432,7 +435,7 @@ def build_testbed(directory: str | os.PathLike, spec: TestbedSpec | None = None,
         (root / "reward.py").write_text(reward_source())
 
         with all_cpu_threads():
-            model = initial_model(spec, tokenizer)
+            model = initial_model(spec, tokenizer, init)
             warm = warm_start(model, tokenizer, train, spec)
             stats = sample_statistics(model, tokenizer, val[: spec.stats_samples], spec)
             warm["torch_threads"] = torch.get_num_threads()
