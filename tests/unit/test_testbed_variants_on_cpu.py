@@ -133,12 +133,31 @@ def test_init_from_is_left_out_of_the_record_at_its_default_and_begins_from_the_
     assert not torch.equal(fresh.model.embed_tokens.weight, weights["model.embed_tokens.weight"])
 
 
-def test_init_from_a_start_that_is_not_the_committed_one_or_of_another_shape_is_refused(tokenizer):
-    with pytest.raises(ValueError, match=r"init_from=0123456789abcdef names a start that is not the committed one.*"
-                                         r"set init_from to the committed start's fingerprint"):
+def test_init_from_a_start_that_is_not_the_one_given_or_of_another_shape_is_refused(tokenizer):
+    with pytest.raises(ValueError, match=r"init_from=0123456789abcdef names a start that is not the one given.*"
+                                         r"set init_from to that testbed's fingerprint"):
         initial_model(replace(TestbedSpec(), init_from="0123456789abcdef"), tokenizer)
+    fill32 = load_variant("fill32")
+    with pytest.raises(ValueError, match=r"names a start that is not the one given \(aed1d8d737720fc9"):
+        initial_model(VARIANTS["fill8"].spec, tokenizer, fill32)  # fill8 starts from the start, not fill32
     with pytest.raises(ValueError, match=r"differs in hidden_size 64 vs 96: use the start's shape or init_from=''"):
         initial_model(replace(TestbedSpec(), init_from=TestbedSpec().fingerprint(), hidden_size=96), tokenizer)
+
+
+def test_fill64_starts_from_fill32s_built_model_and_the_others_from_the_start(tokenizer):
+    """fill64's warm start begins from fill32's model (three budgets from the start's never learnt to copy across
+    its gaps: docs/study.md, amendment 3); its spec names fill32's fingerprint, which the build checks."""
+    assert VARIANTS["fill64"].starts_from == "fill32"
+    assert VARIANTS["fill64"].spec.init_from == VARIANTS["fill32"].spec.fingerprint() == load_variant("fill32").manifest["fingerprint"]
+    assert all(VARIANTS[n].starts_from == "fill2" and VARIANTS[n].spec.init_from == TestbedSpec().fingerprint()
+               for n in ("fill8", "fill32"))
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = initial_model(VARIANTS["fill64"].spec, tokenizer, load_variant("fill32"))
+    assert model.config.max_position_embeddings == 1024
+    fill32 = AutoModelForCausalLM.from_pretrained(load_variant("fill32").model_dir, dtype="float32").state_dict()
+    assert all(torch.equal(w, fill32[k]) for k, w in model.state_dict().items())  # fill32's weights, not the start's
 
 
 def test_a_missing_variant_build_names_its_build_command(tmp_path):

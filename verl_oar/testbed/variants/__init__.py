@@ -39,6 +39,7 @@ variant    warm start              sampled  greedy  answers  copies  filler ent.
 fill2      4000 x 32, fresh        0.36     0.41    1.00     1.00    1.87         2.02  296
 fill8      1000 x 32, from start   0.375    0.34    1.00     1.00    2.08         2.06  373
 fill32     2400 x 16, from start   0.56     0.44    1.00     1.00    2.12         2.07  1256
+fill64     2400 x 16, from fill32  0.36     0.44    1.00     0.98    2.10         2.08  1778
 =========  ======================  =======  ======  =======  ======  ===========  ====  ======
 
 ("data": :func:`data_filler_entropy`, what a model that learnt the data exactly shows). On all 200 held-out
