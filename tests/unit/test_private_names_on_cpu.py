@@ -36,6 +36,7 @@ OWN = {
     ("testbed/report.py", "_rows"): "its own helper",
     ("testbed/start/reward.py", "_normalize"): "its own helper",
     ("testbed/variants/fill32/reward.py", "_normalize"): "its own helper",
+    ("testbed/variants/fill64/reward.py", "_normalize"): "its own helper",
     ("testbed/variants/fill8/reward.py", "_normalize"): "its own helper",
     ("testbed/workspace.py", "_normalize"): "its own helper",
 }
