@@ -108,6 +108,7 @@ def main(argv=None) -> int:
             raise SystemExit("\n".join(log[1][-4000:] for log in logs))
         checked = time.perf_counter() - start
         fsdp = [torch.load(Path(tmp) / f"fsdp_rank{r}.pt") for r in range(WORLD)]
+        fsdp_bf16 = torch.load(Path(tmp) / "fsdp_bf16_rank0.pt")
         ranks = {(d, layout, r): torch.load(Path(tmp) / f"{d}_{layout}_rank{r}.pt")
                  for d in ("fp32", "bf16") for layout in LAYOUTS for r in range(WORLD)}
     results = {}
@@ -125,6 +126,8 @@ def main(argv=None) -> int:
                                                  for q in range(WORLD))
                 row[f"{case}_scale"] = scale
                 row[f"{case}_rel_err"] = row[f"{case}_max_abs_err"] / scale
+                if d == "bf16":   # how far bf16 alone moves the FSDP engine's scores, for scale
+                    row[f"{case}_fsdp_bf16_rel_err"] = _max_diff(fsdp_bf16[case], fsdp[0][case]) / scale
         results[f"{d}_{layout}"] = row
     record = json.loads((args.model / RECORD).read_text())
     out = {

@@ -9,15 +9,18 @@ Run by ``tests/engine/test_megatron_llama_on_cpu.py`` (a tiny random Llama) and 
 ROWS is a JSON file ``{"prompts": [[id, ...], ...], "responses": [[id, ...], ...]}`` (each response ending with
 its end token). Every rank scores all the rows, first on verl's FSDP2 engine through the plugin's
 ``OARActorRolloutRefWorker`` (fp32, packed rows, parameters sharded over the WORLD ranks;
-``compute_token_importance``, OAR-G and OAR-P chunk, :data:`CASES`): ``fsdp_rank{r}.pt``; then, for TP = 1 (data
-parallel WORLD), TP = WORLD, and TP = WORLD with sequence parallelism, in fp32 and bf16, on the checkpoint as
-``megatron_llama_model`` builds it:
+``compute_token_importance``, OAR-G and OAR-P chunk, :data:`CASES`): ``fsdp_rank{r}.pt``, and with bf16
+parameters (FSDP2 mixed precision) ``fsdp_bf16_rank{r}.pt``; then, for TP = 1 (data parallel WORLD), TP = WORLD,
+and TP = WORLD with sequence parallelism, in fp32 and bf16, on the checkpoint as ``megatron_llama_model`` builds
+it:
 
 1. its logits at every token of every row through the plugin's ``MegatronLogits`` (verl's padded forward, rows of
    different lengths in one call), against ``LlamaForCausalLM`` on each row alone, unpadded: the fp32 model, and in
    bf16 also transformers' own bf16 model (how far bf16 alone moves transformers' logits);
-2. (fp32) OAR-G and OAR-P chunk through ``megatron_importance_pass``, on the masks the driver computes
-   (``engines.inputs.add_outcome_masks``, the same call ``engines.driver`` makes before the engine's pass);
+2. OAR-G (plain and fused with verl's log-prob pass) and OAR-P chunk through ``megatron_importance_pass``, on the
+   masks the driver computes (``engines.inputs.add_outcome_masks``, the same call ``engines.driver`` makes before
+   the engine's pass); for the fused pass's log-probs, those of transformers' fp32 logits and of the layout's own
+   logits (:func:`log_probs`);
 3. (fp32, TP = 1 and TP = WORLD) the two layouts a mapping gets wrong most easily, to show that the logits check
    sees them: the query/key/value rows stacked whole as transformers keeps them instead of per query group, and
    the MLP's gate and up rows split over the ranks as one block instead of each shard holding its own of both.
@@ -77,16 +80,16 @@ def _response_rows(scores, prompts, responses) -> list[torch.Tensor]:
 # -- FSDP ---------------------------------------------------------------------------------------------------------
 
 
-def fsdp_importance(model_dir: str, world: int, prompts, responses) -> dict:
+def fsdp_importance(model_dir: str, world: int, prompts, responses, param_dtype: str = "fp32") -> dict:
     """verl's FSDP2 engine through the plugin's worker on this rank's share of the parameters (every rank scores
-    all rows), as ``tests/engine/engine_importance_check.py`` builds it: fp32, packed rows, one row per
-    micro-batch."""
+    all rows), as ``tests/engine/engine_importance_check.py`` builds it: packed rows, one row per micro-batch,
+    parameters in ``param_dtype`` (FSDP2 mixed precision, as a bf16 run computes)."""
     sys.path.insert(0, HERE)
     from engine_importance_check import build_worker
 
     longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
     worker = build_worker(model_dir, use_remove_padding=True, use_dynamic_bsz=False, micro_bsz=1, param_offload=False,
-                          max_token_len=max(96, longest),
+                          param_dtype=param_dtype, max_token_len=max(96, longest),
                           extra=(f"actor_rollout_ref.actor.ppo_mini_batch_size={world}",))   # one row per rank
     out = {}
     for name, (method, oar) in CASES.items():
@@ -103,6 +106,16 @@ def hf_logits(model, prompts, responses) -> list[torch.Tensor]:
     """(len_i, V) float32 logits of each row alone, unpadded."""
     with torch.no_grad():
         return [model(input_ids=torch.cat([p, r])[None]).logits[0].float() for p, r in zip(prompts, responses)]
+
+
+def log_probs(logits: list, prompts, responses, columns: int) -> list[torch.Tensor]:
+    """(len_i - 1,) log-prob of each next token from (len_i, V) ``logits``, normalised as verl's processor does on
+    megatron's output: over ``columns`` >= V, the padding columns' logits being exactly 0."""
+    out = []
+    for z, p, r in zip(logits, prompts, responses):
+        z = torch.cat([z.float(), z.new_zeros(len(z), columns - z.shape[1], dtype=torch.float32)], 1)
+        out.append(torch.log_softmax(z, -1)[:-1].gather(1, torch.cat([p, r])[1:, None])[:, 0].double())
+    return out
 
 
 def megatron_logits(engine, prompts, responses) -> list[torch.Tensor]:
@@ -124,7 +137,8 @@ def max_diff(a: list, b: list) -> float:
 
 
 def importance(engine, tokenizer, prompts, responses) -> dict:
-    """OAR-G and OAR-P chunk on the Megatron path, one micro-batch, with the driver's masks."""
+    """OAR-G and OAR-P chunk on the Megatron path, one micro-batch, with the driver's masks; OAR-G once more fused
+    with verl's log-prob pass (``g_fused``, and its per-token log-probs ``g_fused_log_probs``)."""
     from verl_oar.core.answer_locator import load_answer_locator
     from verl_oar.core.config import OARConfig, neutral_token_id
     from verl_oar.engines.inputs import add_outcome_masks
@@ -138,6 +152,12 @@ def importance(engine, tokenizer, prompts, responses) -> dict:
         with megatron_importance_pass(engine, data, cfg) as engine_pass:
             if method == "gradient":
                 scores, _ = engine_pass.gradient(data, cfg, STEP, False)
+                again = make_batch(prompts, responses, method, oar)
+                add_outcome_masks(again, tokenizer, load_answer_locator(cfg.answer_locator), line_ends=False)
+                fused, outputs = engine_pass.gradient(again, cfg, STEP, True)
+                out[f"{name}_fused"] = _response_rows(fused, prompts, responses)
+                # every token's but the last (verl's label there wraps around: not a token's)
+                out[f"{name}_fused_log_probs"] = [r[:-1].double() for r in outputs["log_probs"].unbind()]
             else:
                 scores, _ = engine_pass.perturbation(data, cfg, neutral_token_id(cfg, tokenizer), None, len(prompts))
         out[name] = _response_rows(scores, prompts, responses)
@@ -189,6 +209,8 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, rows_path: str, o
     fsdp = fsdp_importance(model_dir, world, prompts, responses)
     fsdp["seconds"] = time.perf_counter() - start   # the worker's construction included
     torch.save(fsdp, os.path.join(out_dir, f"fsdp_rank{rank}.pt"))
+    torch.save(fsdp_importance(model_dir, world, prompts, responses, "bf16"),
+               os.path.join(out_dir, f"fsdp_bf16_rank{rank}.pt"))
     apply_megatron_patches()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -209,14 +231,17 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, rows_path: str, o
             got = megatron_logits(engine, prompts, responses)
             result = {"vocab_columns": int(model.embedding.word_embeddings.weight.shape[0]) * tp,
                       "logits_err": max_diff(got, want["fp32"]), "logits_scale": scale}
+            if layout in scored:
+                start = time.perf_counter()
+                result.update(importance(engine, tokenizer, prompts, responses))
+                result["importance_seconds"] = time.perf_counter() - start
             if dtype_name == "bf16":
                 result["logits_err_vs_hf_bf16"] = max_diff(got, want["bf16"])
                 result["hf_bf16_err"] = max_diff(want["bf16"], want["fp32"])
             else:
-                if layout in scored:
-                    start = time.perf_counter()
-                    result.update(importance(engine, tokenizer, prompts, responses))
-                    result["importance_seconds"] = time.perf_counter() - start
+                result["hf_log_probs"] = log_probs(want["fp32"], prompts, responses, result["vocab_columns"])
+            result["own_log_probs"] = log_probs(got, prompts, responses, result["vocab_columns"])
+            if dtype_name == "fp32":
                 if not sp:
                     result["wrong_layouts"] = wrong_layouts(model, hf_config, hf_state, engine, prompts, responses,
                                                             want["fp32"])

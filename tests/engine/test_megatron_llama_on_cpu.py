@@ -6,7 +6,8 @@ checkpoint's base) onto a local-spec ``GPTModel`` at any TP size, with verl's ow
 Llama of those features (hidden 96, 6 heads in 2 query groups, 2 layers, rope theta 50000, the CPU workspace's
 byte-level tokenizer: vocabulary 259, odd, so TP = 2 pads it) is scored by two gloo ranks
 (``tests/engine/megatron_llama_check.py``): on verl's FSDP2 engine through the plugin's worker (parameters sharded
-over both), then on the Megatron path at TP = 1, TP = 2 and TP = 2 with sequence parallelism, fp32 and bf16.
+over both, fp32 and bf16), then on the Megatron path at TP = 1, TP = 2 and TP = 2 with sequence parallelism, fp32
+and bf16, OAR-G also fused with verl's log-prob pass.
 SmolLM2-135M itself (9 heads in 3 groups: TP = 1 or 3) runs the same check once in
 ``benchmarks/megatron_smollm2.py``.
 """
@@ -43,9 +44,16 @@ RESPONSES = [
 # Importance (fp32), as a fraction of the FSDP engine's largest score: OAR-G is the gradient of a KL between nearly
 # equal distributions, OAR-P a divergence of nearly equal log-probs, so float32 rounding of the logits shows up
 # magnified: measured 5.9e-6 (OAR-G) and 8.1e-7 (OAR-P chunk) here, 4.2e-5 and 5.1e-6 on SmolLM2 at TP = 3;
-# bound 1e-4.
+# bound 1e-4. bf16 importance: each engine's bf16 scores are as far from the FSDP fp32 scores as rounding makes
+# them (measured: FSDP's bf16 0.086 of the scale for OAR-G and 0.018 for OAR-P chunk, megatron's 0.074-0.12 and
+# 0.013-0.015); bound: no further than 2x the FSDP engine's own bf16 (a wrong token or shard moves scores by their
+# own size). The fused pass: the same scores as the plain one, bit for bit (one forward); its log-probs are a
+# log-softmax of the layout's logits (measured 9.5e-7 nats from one computed here, a float32 ulp at |log p| ~ 15;
+# bound 1e-5) and, in fp32, at most twice the logits' bound from transformers' (|d log p| <= 2 max |d logit|).
 LOGITS_REL_TOL = 1e-5
 IMPORTANCE_REL_TOL = 1e-4
+BF16_IMPORTANCE_FACTOR = 2.0
+OWN_LOG_PROBS_TOL = 1e-5
 
 
 def build_model_dir(root: Path) -> Path:
@@ -92,6 +100,7 @@ def results(tmp_path_factory):
     logs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [log[1][-4000:] for log in logs]
     return {**{("fsdp", r): torch.load(out / f"fsdp_rank{r}.pt") for r in range(2)},
+            **{("fsdp_bf16", r): torch.load(out / f"fsdp_bf16_rank{r}.pt") for r in range(2)},
             **{(dtype, layout, r): torch.load(out / f"{dtype}_{layout}_rank{r}.pt")
                for dtype in ("fp32", "bf16") for layout in LAYOUTS for r in range(2)}}
 
@@ -136,3 +145,28 @@ def test_megatron_importance_equals_the_fsdp_engines_on_the_same_rows(results, l
     for rank in range(2):
         got = results["fp32", layout, rank][case]
         assert _max_diff(got, want) <= IMPORTANCE_REL_TOL * scale, (case, layout, rank, _max_diff(got, want), scale)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", ["g", "p_chunk"])
+def test_megatron_bf16_importance_is_as_close_to_fp32_as_the_fsdp_engines_bf16(results, layout, case):
+    want = results["fsdp", 0][case]
+    scale = max(float(w.abs().max()) for w in want)
+    fsdp_bf16 = _max_diff(results["fsdp_bf16", 0][case], want)
+    assert 0 < fsdp_bf16 < 0.5 * scale   # bf16 moved the FSDP scores, by rounding, not by their own size
+    for rank in range(2):
+        got = results["bf16", layout, rank][case]
+        assert [int(r.abs().sum() > 0) for r in got] == [1, 1, 1, 0]
+        assert _max_diff(got, want) <= BF16_IMPORTANCE_FACTOR * fsdp_bf16, (case, layout, rank, fsdp_bf16)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_fused_pass_scores_as_the_plain_one_and_returns_verls_log_probs(results, dtype, layout):
+    for rank in range(2):
+        got = results[dtype, layout, rank]
+        assert _max_diff(got["g_fused"], got["g"]) == 0, (dtype, layout, rank)
+        assert _max_diff(got["g_fused_log_probs"], got["own_log_probs"]) <= OWN_LOG_PROBS_TOL, (dtype, layout, rank)
+        if dtype == "fp32":
+            bound = 2 * LOGITS_REL_TOL * got["logits_scale"]
+            assert _max_diff(got["g_fused_log_probs"], got["hf_log_probs"]) <= bound, (layout, rank)
