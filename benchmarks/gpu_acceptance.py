@@ -46,8 +46,11 @@ The checks (name: question; budget on one H200 and how it was estimated):
    under NCCL. Always skipped here, with its reason, so that every report counts it: it needs verl and two GPUs.
    On CPU it runs on two gloo ranks (tests/engine/test_engine_multirank_on_cpu.py); flash-attention with padding in
    the middle of a row is check 1's bf16 flash-attention case.
+10. ``megatron_gpu`` (1 s): OAR on verl's own ``MegatronEngine`` (TransformerEngine layers, the packed THD layout,
+   NCCL). Always skipped here, with its reason: it needs verl, megatron-core, TransformerEngine and CUDA. What the
+   CPU runs instead and what stays refused is in the reason.
 
-Sum 421 s + ~20 s of imports and CUDA start-up: 440 s of the 480 s (8 minutes); ``--budget-s`` (default 470) keeps
+Sum 422 s + ~20 s of imports and CUDA start-up: 442 s of the 480 s (8 minutes); ``--budget-s`` (default 470) keeps
 a margin under scripts/gpu_acceptance.sh's hard ``timeout``. ``--tiny``: every check on CPU at tiny sizes (the test
 tests/unit/test_gpu_acceptance_on_cpu.py), performance targets and memory bands reported but not judged.
 
@@ -386,6 +389,17 @@ def check_verl_engine_multi_gpu(ctx: Context) -> dict:
                "tests/engine/test_engine_multirank_on_cpu.py")
 
 
+def check_megatron_gpu(ctx: Context) -> dict:
+    """Always skipped here, and counted: verl's Megatron engine needs verl, TransformerEngine and CUDA."""
+    raise Skip("needs verl, megatron-core and TransformerEngine on CUDA (this script runs without verl). Never run on "
+               "a GPU: verl's MegatronEngine itself, TransformerEngine layers and FP8, the packed (THD) layout. On CPU "
+               "real megatron-core 0.16.1 runs the plugin's Megatron path in the padded layout at TP=1/2 with "
+               "sequence parallel (tests/engine/test_megatron_real_on_cpu.py, "
+               "tests/engine/test_megatron_llama_on_cpu.py); the packed layout is refused on CPU naming the padded "
+               "one, pipeline and context parallelism are refused at start-up everywhere. On a GPU machine with "
+               "verl and megatron-core: python -m pytest tests/gpu/test_megatron_importance.py")
+
+
 CHECKS = [
     Check("oar_p_exact", 20, "Does batched OAR-P (per-row prefixes, middle padding) equal the naive loop on the GPU's "
           "kernels (float64/fp32/bf16 SDPA, bf16 flash-attention where installed)?", check_oar_p_exact),
@@ -406,6 +420,8 @@ CHECKS = [
           "and vs the estimate, importance bit for bit", check_checkpointing),
     Check("verl_engine_multi_gpu", 1, "HSDP and dynamic batch size with the fused importance pass on verl's FSDP2 "
           "engine under NCCL", check_verl_engine_multi_gpu),
+    Check("megatron_gpu", 1, "OAR on verl's own MegatronEngine (TransformerEngine, packed layout) under NCCL",
+          check_megatron_gpu),
 ]
 
 

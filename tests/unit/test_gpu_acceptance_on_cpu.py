@@ -18,9 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["oar_p_exact", "oar_g_noise_device", "oar_cost_1.5b", "acpo_top1", "privileged_noise_floor",
-          "memory_estimate", "oar_cost_7b", "oar_g_checkpointing", "verl_engine_multi_gpu"]
-ALWAYS_SKIPPED = {"verl_engine_multi_gpu"}
-"""needs verl and two GPUs: skipped on the device machine too, with its reason"""
+          "memory_estimate", "oar_cost_7b", "oar_g_checkpointing", "verl_engine_multi_gpu",
+          "megatron_gpu"]
+ALWAYS_SKIPPED = {"verl_engine_multi_gpu", "megatron_gpu"}
+"""need verl (and two GPUs, or TransformerEngine): skipped on the device machine too, with their reasons"""
 STATUSES = {"ok", "failed", "skipped"}
 
 
@@ -50,10 +51,10 @@ def test_every_check_runs_at_tiny_sizes_and_reports(tmp_path):
     _entries_well_formed(report)
     failed = {n: e.get("reason") for n, e in report["checks"].items() if e["status"] != "ok" and n not in ALWAYS_SKIPPED}
     assert not failed, failed
-    for name in ALWAYS_SKIPPED:
+    for name, where in (("verl_engine_multi_gpu", "test_engine_multirank_on_cpu.py"),
+                        ("megatron_gpu", "test_megatron_real_on_cpu.py")):   # each says where the CPU checks it
         assert report["checks"][name]["status"] == "skipped", report["checks"][name]
-        assert "two GPUs" in report["checks"][name]["reason"] and "test_engine_multirank_on_cpu.py" in \
-            report["checks"][name]["reason"]
+        assert "needs verl" in report["checks"][name]["reason"] and where in report["checks"][name]["reason"]
     assert report["finished"] and report["tiny"] and report["running"] is None
     assert report["verl_modules_loaded"] == []  # the device machine has no verl
     machine = report["machine"]
@@ -69,7 +70,7 @@ def test_every_check_runs_at_tiny_sizes_and_reports(tmp_path):
     assert checks["privileged_noise_floor"]["identity_template_equal"]
     assert set(checks["memory_estimate"]["cases"]) >= {"oar_g_noisy_kl", "oar_p_chunk", "acpo_blocks"}
     text = out.with_suffix(".txt").read_text().splitlines()
-    assert "8 ok, 0 failed, 1 skipped of 9" in text[0] and len(text) == 1 + len(CHECKS)
+    assert "8 ok, 0 failed, 2 skipped of 10" in text[0] and len(text) == 1 + len(CHECKS)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def test_budget_skips_what_no_longer_fits_and_stops_an_overrunning_check_keeping
     _entries_well_formed(report)
     assert all(e["status"] == "skipped" and e["reason"].startswith("not started:") for e in report["checks"].values())
     text = none.with_suffix(".txt").read_text()
-    assert "0 ok, 0 failed, 9 skipped of 9" in text
+    assert "0 ok, 0 failed, 10 skipped of 10" in text
     retry = f"retry: bash scripts/gpu_acceptance.sh --only {','.join(CHECKS)} --out {none.parent / 'none'}_retry.json"
     assert retry in text
     entry = json.loads(stopped.read_text())["checks"]["slow"]
