@@ -6,7 +6,7 @@ The OAR-G and OAR-P recipes' CPU copies through their own launch scripts (``pyth
 packed sequences, dynamic batch size, KL loss against the reference model, the math reward; OAR-G fused into verl's
 log-prob pass, OAR-P in chunk mode), steps of 2 prompts x 8 responses, with one size changed: a token budget of
 128 per micro-batch and rank instead of the recipes' 24k, so that each rank makes several micro-batches of its
-variable-length rows (verl gives every rank the same number; OAR's pass keeps the ranks' model calls equal). Three
+variable-length rows (verl gives every rank the same number; OAR's pass keeps the ranks' model calls equal). Four
 launches:
 
 1. OAR-G on two ranks, its rollouts served by one hf replica (``rollout.tensor_model_parallel_size=2``: verl makes
@@ -15,9 +15,10 @@ launches:
    whole step as one PPO mini-batch (the copy's two mini-batches would hold other rows on two ranks: verl forms each
    rank's mini-batches from its own share, so the updates could not be compared);
 1 and 2 run one step;
-3. OAR-P on two ranks, one hf replica per rank (the default), two steps with a checkpoint after each, its rank-1
-   worker killed (SIGKILL) in step 2: its step 1 is checked as the others' step is, then the loss of the rank's worker
-   (below).
+3. OAR-P on two ranks, one hf replica per rank (the default), three steps with a checkpoint after each, its rank-1
+   worker killed (SIGKILL) in step 3: its step 1 is checked as the others' step is, then the loss of the rank's worker
+   (below);
+4. the same run resumed on two ranks from its step-1 checkpoint, to step 3 (below).
 
 Each rank writes the rows it scored (``$VERL_OAR_RANK_DUMP_DIR``, ``engines/rank_dump.py``), the trainer the whole
 step (``algorithm.oar.dump_dir``). The pick_max testbed runs on two ranks as well (``RunSettings.ranks``), but its
@@ -43,7 +44,7 @@ verl's loss normalised by the global token count (``batch_num_tokens`` x ``dp_si
 rows' terms in one backward. So ``actor/pg_loss`` and ``actor/grad_norm`` agree to rtol 1e-5 (float32 sums of two
 partial sums in another order; measured: grad norm bit-equal, pg_loss 2.7e-7 relative).
 
-A rank's worker lost mid-run (the third launch): as soon as rank 1 has written its step-2 rows
+A rank's worker lost mid-run (the third launch): as soon as rank 1 has written its step-3 rows
 (``$VERL_OAR_RANK_DUMP_DIR``: at the end of its OAR-P pass, before the step's update, which needs both ranks' FSDP2
 collectives), the test kills rank 1's worker process. verl's driver waits on both ranks' futures of a call with one
 ``ray.get``, which raises the dead actor's ``ActorDiedError`` without waiting for rank 0 (which cannot finish a
@@ -52,22 +53,28 @@ cluster's leftover check shows them gone). Checked: the launch exits non-zero wi
 log names the lost worker twice, Ray's ``ActorDiedError`` (the ``WorkerDict`` actor, its pid) and the plugin's summary
 (``integration/lost_workers.py``: the rank, its pid and node); step 1's metrics are the only ones logged; and the
 checkpoints it leaves are complete: verl's ``latest_checkpointed_iteration.txt`` names step 1, every rank's model,
-optimizer and extra-state shard and the data loader's state of step 1 load, and nothing of step 2 was written.
+optimizer and extra-state shard and the data loader's state of steps 1 and 2 load, and nothing of step 3 was written.
 Measured before this kill was folded into the OAR-P launch, in a launch of its own (OAR-G, killed in step 3): 13-16 s
 from the kill to the launch's exit in three runs on 2 loaded cores of an AMD EPYC (``LOSS_BOUND_S`` allows about 6x).
-That a run resumed from such a checkpoint trains on as an uninterrupted run does is tests/e2e/test_resume_on_cpu.py's.
+Resumed (the fourth launch, two ranks, from a copy of the step-1 checkpoint: one step before the last, so that the
+optimizer state it restores decides the next step's parameters), the run trains on exactly as it had before the
+kill: step 2's dumped importance, masks, GRPO and OAR advantages and weights bit-equal (rows matched by content, as
+tests/e2e/test_resume_on_cpu.py compares one rank's), and in step 3 the rows each rank had scored before the kill
+(rank 1's, and rank 0's when it had finished) with bit-equal importance and masks. Bit-equal because both runs are
+the same two ranks on the same rows in the same order (content-ordered batches), from the same sharded state.
 
 Not covered: a worker lost while verl writes a checkpoint (the save takes ~0.3 s here, too short to aim a kill at):
 verl writes the tracker file after every rank's shards and the data loader's state, so an interrupted save leaves a
 ``global_step_N`` folder the tracker does not name, which ``resume_mode=auto`` does not read.
 
-Marked slow: three launches, about 1.5-3 minutes each on 2 loaded cores.
+Marked slow: four launches, about 1.5-3 minutes each on 2 loaded cores.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -97,8 +104,13 @@ TOLERANCE = {"oar_importance": (1e-4, 1e-7), "weights": (1e-4, 1e-6), "advantage
 
 LOSS_BOUND_S = 90.0
 """seconds from killing a rank's worker to the launch's exit (measured 13-16 s on 2 loaded cores; module docstring)"""
-KILL_STEP = 2
-"""the OAR-P launch's step in which rank 1's worker is killed, after step 1 and its checkpoint"""
+KILL_STEP = 3
+"""the OAR-P launch's step in which rank 1's worker is killed, after steps 1 and 2 and their checkpoints"""
+RESUME_FROM = 1
+"""the checkpoint the resumed two-rank run starts from: one step before the last, so that a whole resumed step (2)
+is compared and the next one's importance (3) depends on the optimizer state it restored"""
+RESUMED_EQUAL = ("oar_importance", "oar_reasoning_mask", "oar_answer_mask", "grpo_advantages", "advantages", "weights")
+"""dumped per-token fields bit-equal between the killed run and the resumed one (tests/e2e/test_resume_on_cpu.py's)"""
 
 
 class KillRankWorker:
@@ -122,16 +134,17 @@ class KillRankWorker:
 
 
 def _launch(workspace: Path, out: Path, estimator: str, ranks: int, *extra: str, monkeypatch, steps: int = STEP,
-            while_running=None) -> tuple[Path, dict, float, int, str]:
-    """``steps`` steps of the estimator's recipe copy on ``ranks`` ranks; checks its step 1 (and, unless
-    ``while_running`` interrupts it, that it succeeded with ``steps`` steps); returns the run's folder, its step 1's
-    metrics, its wall time (s), its exit code and its output."""
+            while_running=None, name: str | None = None, first: int = STEP) -> tuple[Path, dict, float, int, str]:
+    """``steps`` steps of the estimator's recipe copy on ``ranks`` ranks, in ``out / name`` (default
+    ``{estimator}_{ranks}ranks``); checks its first step, ``first`` (and, unless ``while_running`` interrupts it,
+    that it succeeded through step ``steps``); returns the run's folder, its first step's metrics, its wall time (s),
+    its exit code and its output."""
     from _e2e import CONTENT_ORDERED_SAMPLER, check_recipe_records, launch_recipe
 
     from verl_oar.cpu.launch import read_metrics
     from verl_oar.cpu.overrides import metrics_file
 
-    run = out / f"{estimator}_{ranks}ranks"
+    run = out / (name or f"{estimator}_{ranks}ranks")
     run.mkdir(parents=True)
     monkeypatch.setenv("VERL_OAR_RANK_DUMP_DIR", str(run / "ranks"))
     started = time.monotonic()
@@ -147,9 +160,9 @@ def _launch(workspace: Path, out: Path, estimator: str, ranks: int, *extra: str,
         assert rc == 0, text[-6000:]
     assert f"trainer.n_gpus_per_node={ranks}" in text
     records = read_metrics(metrics_file(workspace, run.name))
-    assert [r["step"] for r in records][:1] == [STEP], text[-3000:]
+    assert [r["step"] for r in records][:1] == [first], text[-3000:]
     if while_running is None:
-        assert [r["step"] for r in records] == list(range(1, steps + 1)), text[-3000:]
+        assert [r["step"] for r in records] == list(range(first, steps + 1)), text[-3000:]
     check_recipe_records(records, estimator)
     return run, records[0]["data"], wall, rc, text
 
@@ -207,10 +220,11 @@ def test_oar_g_on_two_ranks_scores_each_ranks_rows_and_equals_one_rank(cpu_works
 
 
 @pytest.mark.slow
-def test_oar_p_on_two_ranks_scores_each_ranks_rows_and_a_killed_ranks_worker_fails_the_run_leaving_complete_checkpoints(
+def test_oar_p_on_two_ranks_scores_each_ranks_rows_a_killed_worker_fails_the_run_and_two_ranks_resume_as_before(
     cpu_workspace_dir, tmp_path, monkeypatch
 ):
-    from _e2e import RECIPE_PERTURB_BUDGET, check_complete_checkpoints
+    from _e2e import (RECIPE_PERTURB_BUDGET, check_complete_checkpoints, check_reshaped_exactly_where_importance_varies,
+                      compare_dumped_steps)
 
     from verl_oar.cpu.launch import read_metrics
     from verl_oar.cpu.overrides import metrics_file
@@ -238,5 +252,32 @@ def test_oar_p_on_two_ranks_scores_each_ranks_rows_and_a_killed_ranks_worker_fai
     assert "ActorDiedError" in text and "WorkerDict" in text and f"pid: {kill.pid}" in text, text[-6000:]
     assert re.search(rf"rank 1 of actor_rollout: actor \S*WorkerDict\S*, pid {kill.pid}, on node \w+, DEAD", text), \
         text[-6000:]  # the plugin's summary (integration/lost_workers.py)
-    assert [r["step"] for r in read_metrics(metrics_file(cpu_workspace_dir, run.name))] == [STEP]
-    assert check_complete_checkpoints(ckpt, 2) == (KILL_STEP - 1, [KILL_STEP - 1])  # nothing of step 2
+    assert [r["step"] for r in read_metrics(metrics_file(cpu_workspace_dir, run.name))] == list(range(1, KILL_STEP))
+    done = list(range(1, KILL_STEP))
+    assert check_complete_checkpoints(ckpt, 2) == (KILL_STEP - 1, done)  # nothing of the step it was killed in
+
+    # resumed on two ranks from the step before the last checkpoint (a copy: the resumed run writes its own), it
+    # trains steps RESUME_FROM + 1 .. KILL_STEP as the run did before it was killed
+    resumed_ckpt = tmp_path / "resumed_ckpt" / f"global_step_{RESUME_FROM}"
+    shutil.copytree(ckpt / f"global_step_{RESUME_FROM}", resumed_ckpt)
+    resumed, _, _, rc, text = _launch(
+        cpu_workspace_dir, tmp_path, "oar_p", 2, "trainer.save_freq=1", f"trainer.default_local_dir={resumed_ckpt.parent}",
+        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={resumed_ckpt}", steps=KILL_STEP,
+        name="oar_p_2ranks_resumed", first=RESUME_FROM + 1, monkeypatch=monkeypatch,
+    )  # fmt: skip
+    assert sorted(p.name for p in (resumed / "dump").iterdir()) == [f"step_{s}.pt" for s in
+                                                                    range(RESUME_FROM + 1, KILL_STEP + 1)]
+    whole = range(RESUME_FROM + 1, KILL_STEP)   # the steps the killed run finished: every dumped field bit-equal
+    diffs = compare_dumped_steps(run, resumed, whole, RESUMED_EQUAL)
+    assert check_reshaped_exactly_where_importance_varies(resumed / "dump", steps=whole) > 0   # not vacuous
+    # the step it was killed in: the rows each rank had scored before the kill (rank 1's at least), bit-equal
+    killed_rows = sorted((run / "ranks").glob(f"step_{KILL_STEP}_perturbation_rank*.pt"))
+    assert killed_rows, sorted(p.name for p in (run / "ranks").iterdir())
+    for path in killed_rows:
+        before, after = torch.load(path), torch.load(resumed / "ranks" / path.name)
+        assert (before["prompts"], before["responses"]) == (after["prompts"], after["responses"]), path.name
+        for field in PER_TOKEN:
+            assert all(torch.equal(a, b) for a, b in zip(before[field], after[field], strict=True)), (path.name, field)
+        assert any(bool(x.any()) for x in after["oar_importance"]), path.name
+    print(f"[two ranks] OAR-P resumed from step {RESUME_FROM}: steps {list(whole)} bit-equal ({diffs}), step "
+          f"{KILL_STEP}'s rows of {[p.name for p in killed_rows]} bit-equal")
