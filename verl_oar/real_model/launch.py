@@ -29,16 +29,17 @@ DEFAULT_WORKDIR = Path(os.environ.get("VERL_OAR_REAL_WORKDIR", "~/.cache/verl_oa
 def real_model_overrides(model_dir: str | os.PathLike, task_dir: str | os.PathLike, *, steps: int,
                          adv_estimator: str = "grpo", n: int = 4, batch_size: int = 4, max_prompt_length: int = 256,
                          max_response_length: int = 128, lr: float = 1e-6, seed: int = 0, micro_batch: int = 4,
-                         experiment_name: str = "real_model") -> list[str]:
+                         experiment_name: str = "real_model", ranks: int = 1) -> list[str]:
     """Hydra overrides of a CPU run of ``model_dir`` on the task in ``task_dir`` (``train.parquet``,
     ``test.parquet``): the CPU mode's, then the model, data and reward. Lengths in tokens; ``lr`` AdamW's;
     ``micro_batch`` sequences per forward (every pass: the fp32 logits over SmolLM2's 49,152-token vocabulary
-    and their gradient dominate the peak memory, ~0.75 GB per 16 sequences of 256 tokens and copy)."""
+    and their gradient dominate the peak memory, ~0.75 GB per 16 sequences of 256 tokens and copy); ``ranks``
+    FSDP2 ranks over gloo (``cpu_overrides``)."""
     task = Path(task_dir).resolve()
     return [
         *cpu_overrides(task, steps=steps, n=n, batch_size=batch_size, adv_estimator=adv_estimator,
                        max_prompt_length=max_prompt_length, max_response_length=max_response_length, lr=lr,
-                       use_kl_loss=False, experiment_name=experiment_name, seed=seed),
+                       use_kl_loss=False, experiment_name=experiment_name, seed=seed, ranks=ranks),
         f"actor_rollout_ref.model.path={Path(model_dir).resolve()}",
         f"data.train_files={task / 'train.parquet'}",
         f"data.val_files={task / 'test.parquet'}",
