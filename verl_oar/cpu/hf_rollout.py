@@ -42,6 +42,12 @@ groups in one step may swap responses between the groups; several replicas need 
 requests to replicas in both runs.
 
 Sleep/wake-up are no-ops: on CPU there is no device memory to give back, and the weights stay loaded.
+
+Why this loop stays beside verl's own vLLM rollout on vLLM's CPU build (``launch --rollout vllm``): vLLM's CPU
+attention takes head widths of 32, 64, 80, ... only, and the CPU workspace's and the testbed's models have 16-wide
+heads; vLLM is an optional extra of 2.2 GB; and the seeded sampling above is what lets the resume tests compare a
+resumed run with an uninterrupted one bit for bit. On a model both take, the two decode the same greedy
+continuations and return the actor's log-probs (tests/engine/test_hf_loop_vs_vllm_on_cpu.py).
 """
 
 from __future__ import annotations
