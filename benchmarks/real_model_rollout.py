@@ -298,7 +298,7 @@ def launch_one(engine: str, args, work: Path, log: Path) -> dict:
                if "[verl-oar hf rollout] replica" in line and "torch threads " in line]
     return {"engine": engine, "exit_code": rc, "launch_seconds": wall, "metrics": kept,
             "hf_server_torch_threads": threads[0] if threads else None,
-            "command": " ".join(cmd[1:]).replace(str(work), "WORKDIR")}
+            "command": " ".join(["python", *cmd[1:]]).replace(str(work), "WORKDIR")}
 
 
 def training(args, logs: Path) -> list[dict]:
@@ -324,15 +324,20 @@ def training(args, logs: Path) -> list[dict]:
 
 # --- summary ---------------------------------------------------------------------------------------------------------
 
+def _round(x: float) -> float:
+    """4 significant digits (seconds and rates, and log-prob differences of 1e-6 alike)."""
+    return float(f"{x:.4g}")
+
+
 def spread(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3),
+    return {"median": _round(statistics.median(values)), "min": _round(min(values)), "max": _round(max(values)),
             "n": len(values)}
 
 
 def ratio(summary: dict, key: str, top: str = "vllm", bottom: str = "hf") -> float | None:
     """The ratio of two arms' medians of ``key``."""
     hf, vllm = summary[bottom].get(key), summary[top].get(key)
-    return round(vllm["median"] / hf["median"], 3) if hf and vllm and hf["median"] else None
+    return _round(vllm["median"] / hf["median"]) if hf and vllm and hf["median"] else None
 
 
 def summarise(gen: dict | None, train: list[dict] | None) -> dict:
@@ -345,11 +350,14 @@ def summarise(gen: dict | None, train: list[dict] | None) -> dict:
             rows = [b for b in gen["batches"] if b["engine"] == e]
             per[e] = {k: spread([b[k] for b in rows]) for k in ("seconds", "tokens_per_s", "new_tokens", "cpu_seconds")}
             per[e]["mean_response_tokens"] = spread([b["new_tokens"] / b["rows"] for b in rows])
+            # the engine's own work, whatever share of the cores it got beside the other jobs
+            per[e]["tokens_per_cpu_s"] = spread([b["new_tokens"] / b["cpu_seconds"] for b in rows])
             per[e]["cut_at_max"] = spread([b["cut"] / b["rows"] for b in rows])
-        out["generation"] = {**per, "vllm_over_hf": {k: ratio(per, k) for k in ("seconds", "tokens_per_s")}}
+        keys = ("seconds", "tokens_per_s", "tokens_per_cpu_s")
+        out["generation"] = {**per, "vllm_over_hf": {k: ratio(per, k) for k in keys}}
         for extra in (e for e in per if e not in ENGINES):
-            out["generation"][f"vllm_over_{extra}"] = {k: ratio(per, k, "vllm", extra) for k in ("seconds", "tokens_per_s")}
-            out["generation"][f"{extra}_over_hf"] = {k: ratio(per, k, extra, "hf") for k in ("seconds", "tokens_per_s")}
+            out["generation"][f"vllm_over_{extra}"] = {k: ratio(per, k, "vllm", extra) for k in keys}
+            out["generation"][f"{extra}_over_hf"] = {k: ratio(per, k, extra, "hf") for k in keys}
     if train:
         per = {}
         for e in ENGINES:
@@ -393,11 +401,20 @@ def main(argv=None) -> int:
     p.add_argument("--adv-estimator", default="grpo")
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
     p.add_argument("--logs", type=Path, default=None, help="the workers' and launches' logs (default: a temp folder)")
+    p.add_argument("--summary", type=Path, default=None,
+                   help="recompute the summary of this results JSON from its raw rounds (in place) and print it")
     p.add_argument("--worker", choices=ENGINES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.model_dir, args.prompts, args.samples, args.max_new_tokens)
+    if args.summary:
+        results = json.loads(args.summary.read_text())
+        results["summary"] = summarise(results["generation"], results["training"])
+        results["summary_command"] = f"python benchmarks/real_model_rollout.py --summary {args.summary.as_posix()}"
+        args.summary.write_text(json.dumps(results, indent=1) + "\n")
+        print(json.dumps(results["summary"], indent=1))
+        return 0
 
     from verl_oar.real_model.launch import resolve_rollout
     from verl_oar.testbed.machine import cpu_id, machine_info

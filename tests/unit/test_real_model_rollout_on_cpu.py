@@ -218,18 +218,21 @@ def test_the_rollout_benchmark_interleaves_the_engines_and_summarises_medians_an
     out = bench.summarise(gen, train)
     g = out["generation"]
     assert g["hf"]["seconds"] == {"median": 44.0, "min": 40.0, "max": 50.0, "n": 3}
-    assert g["vllm"]["seconds"]["median"] == 12.0 and g["vllm_over_hf"]["seconds"] == round(12 / 44, 3)
-    assert g["vllm_over_hf"]["tokens_per_s"] == round((3200 / 12) / (3200 / 44), 3)
+    assert g["vllm"]["seconds"]["median"] == 12.0 and g["vllm_over_hf"]["seconds"] == float(f"{12 / 44:.4g}")
+    assert g["vllm_over_hf"]["tokens_per_s"] == float(f"{44 / 12:.4g}")
     assert g["hf"]["mean_response_tokens"]["median"] == 100.0 and g["hf"]["cut_at_max"]["median"] == 0.25
+    assert g["hf"]["tokens_per_cpu_s"]["median"] == float(f"{3200 / 88:.4g}")  # per CPU second: 2 x wall here
+    assert g["vllm_over_hf"]["tokens_per_cpu_s"] == pytest.approx(44 / 12, rel=1e-3)  # (of rounded medians)
+    assert bench.spread([2.79e-6, 1e-6, 3e-6])["median"] == 2.79e-6  # not rounded away
     t = out["training_step"]
     assert t["hf"]["timing_s/step"]["median"] == 80.0 and t["vllm"]["timing_s/gen"]["median"] == 11.0
-    assert t["vllm_over_hf"] == {"launch_seconds": round(250 / 210, 3), "timing_s/step": round(62 / 80, 3),
-                                 "timing_s/gen": round(11 / 32, 3)}
+    assert t["vllm_over_hf"] == {"launch_seconds": float(f"{250 / 210:.4g}"), "timing_s/step": float(f"{62 / 80:.4g}"),
+                                 "timing_s/gen": float(f"{11 / 32:.4g}")}
     assert bench.summarise(None, None) == {}
     gen["batches"] += [{**b, "engine": "hf@2threads", "seconds": b["seconds"] / 2} for b in gen["batches"]
                        if b["engine"] == "hf"]
     g = bench.summarise(gen, None)["generation"]
-    assert g["hf@2threads_over_hf"]["seconds"] == 0.5 and g["vllm_over_hf@2threads"]["seconds"] == round(12 / 22, 3)
+    assert g["hf@2threads_over_hf"]["seconds"] == 0.5 and g["vllm_over_hf@2threads"]["seconds"] == float(f"{12 / 22:.4g}")
 
 
 def test_the_rollout_benchmark_stops_at_once_without_vllms_cpu_build(bench, without_vllm, monkeypatch):
