@@ -231,9 +231,12 @@ def cmd_collect(args) -> int:
     tuning, evaluation = read_runs("tuning"), read_runs("eval")
     engines = sorted({rollout_of(r) for r in evaluation})
     if len(engines) > 1:
-        raise SystemExit(f"real_model_pilot: the evaluation runs were sampled by different rollouts ({', '.join(engines)}); "
-                         "the paired analysis compares runs of one engine")
-    row = lambda r: {k: r[k] for k in ("method", "lr", "seed", "exit_code", "seconds")} | {"rollout": rollout_of(r)}  # noqa: E731
+        raise SystemExit(f"real_model_pilot: the evaluation runs were sampled by different rollouts "
+                         f"({', '.join(engines)}); the paired analysis compares runs of one engine")
+
+    def row(r: dict) -> dict:
+        return {k: r[k] for k in ("method", "lr", "seed", "exit_code", "seconds")} | {"rollout": rollout_of(r)}
+
     result = {"command": "python benchmarks/real_model_pilot.py collect", "steps": STEPS,
               "settings": {**SETTINGS, "val_samples": VAL_SAMPLES, "threshold": THRESHOLD, "window": WINDOW},
               "rollout": sorted({rollout_of(r) for r in tuning + evaluation}),

@@ -59,7 +59,8 @@ def train(out: Path, methods: list[str], steps: int, rollout: str) -> dict:
 
     runs = {}
     for i, method in enumerate(methods):
-        _progress("training", f"{method} ({i + 1} of {len(methods)}), {steps} steps through main_ppo, {rollout} rollout")
+        _progress("training",
+                  f"{method} ({i + 1} of {len(methods)}), {steps} steps through main_ppo, {rollout} rollout")
         began = time.time()
         rc, metrics = run(out / "runs" / method, steps=steps, adv_estimator=method, experiment_name=method,
                           rollout=rollout)
