@@ -15,6 +15,9 @@ and times, after one warm-up of each, ``--rounds`` round-robin rounds of:
 - ``OAR-G, own pass``: ``compute_token_importance`` with OAR-G (``algorithm.oar.fuse_log_prob=false``);
 - ``OAR-P chunk K=16``: ``compute_token_importance`` with OAR-P (training's default mode), its own pass.
 
+Nothing is sampled: every pass scores the same fixed texts, teacher-forced, on a worker built with the actor role
+alone, so no rollout engine takes part (the results record ``"rollout": "none"``, ``ROLLOUT``).
+
 Ratios are medians of per-round ratios to the same round's unit. Peak memory: the process's resident set sampled
 every 2 ms during each call, minus its size just before the call (the pass's own working memory; the model and
 optimizer are resident before), median over rounds. The text is real: worked solutions of word problems
@@ -38,6 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 UNIT = "old-log-prob pass"
 ROWS = (UNIT, "OAR-G, fused", "OAR-G, own pass", "OAR-P chunk K=16")
 PAGE = os.sysconf("SC_PAGE_SIZE")
+ROLLOUT = "none"
+"""the rollout engine behind these numbers: none (fixed texts scored by the actor's passes; nothing sampled)"""
+ROLLOUT_NOTE = ("no rollout engine: the passes score fixed worked-solution texts (teacher-forced) on an actor-only "
+                "worker; nothing is sampled, so hf and vllm give the same numbers")
 
 
 def _rss() -> int:
@@ -167,6 +174,15 @@ def table(results: dict) -> str:
     return "\n".join(out)
 
 
+def results_record(command: str, model_record: dict, machine: dict, rounds: int, cells: list[dict]) -> dict:
+    """The results JSON: what was measured, the command, the model, the rollout engine (``ROLLOUT``), the machine."""
+    return {"what": "OAR-G and OAR-P chunk passes on SmolLM2-135M-Instruct through verl's FSDP2 engine, as ratios "
+                    "of the old-log-prob pass (medians over rounds)",
+            "command": command,
+            "model": {"source": model_record["source"], "parameters": model_record["parameters"], "dtype": "fp32"},
+            "rollout": ROLLOUT, "rollout_note": ROLLOUT_NOTE, "machine": machine, "rounds": rounds, "cells": cells}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="8x512,8x1024", help="ROWSxTOKENS per batch, comma-separated")
@@ -201,13 +217,10 @@ def main(argv=None) -> int:
         cells.append({**summary(cell), "raw": cell, "seconds": round(time.time() - began)})
         print(f"[cost] {size}: {json.dumps(cells[-1]['rows'])}", flush=True)
     record = json.loads((Path(folder) / "verl_oar_model.json").read_text())
-    results = {"what": "OAR-G and OAR-P chunk passes on SmolLM2-135M-Instruct through verl's FSDP2 engine, as ratios "
-                       "of the old-log-prob pass (medians over rounds)",
-               "command": "python benchmarks/real_model_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               "model": {"source": record["source"], "parameters": record["parameters"], "dtype": "fp32"},
-               "machine": {**machine_info(), "cpu_id": cpu_id(), "torch_threads": int(env["OMP_NUM_THREADS"]),
-                           "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
-               "rounds": args.rounds, "cells": cells}
+    machine = {**machine_info(), "cpu_id": cpu_id(), "torch_threads": int(env["OMP_NUM_THREADS"]),
+               "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
+    results = results_record("python benchmarks/real_model_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                             record, machine, args.rounds, cells)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))

@@ -9,7 +9,7 @@ SmolLM2-135M-Instruct (Q4_1 dequantized, fp32, full fine-tuning) and the ``sum1`
 The design, the endpoints, the seed blocks and the analysis are fixed in docs/real-model.md ("The learning pilot")
 before any run they govern. Every run is one ``main_ppo`` launch (``verl_oar.real_model.launch.run`` with
 ``SETTINGS``); its record (``real_model_pilot/runs/<phase>_<method>_lr<lr>_s<seed>.json``: exit code, seconds,
-every step's training metrics, held-out accuracy after training) is written when the launch ends, so
+the rollout engine, every step's training metrics, held-out accuracy after training) is written when the launch ends, so
 that ``run`` resumes by skipping recorded runs; commit the folder as it grows. A launch that ends without its
 final validation is retried once (``attempts`` counts it); a run still without one is kept and counted by the
 rule of the pre-registration (its held-out accuracy is the untrained model's: no learning).
@@ -46,6 +46,9 @@ START_ACCURACY = 0.10
 """the untrained model's held-out accuracy at these settings (25 x 4 responses at T=1, measured once before the
 pilot; the task's start statistics: 0.102 on 16 x 8)"""
 TIMEOUT_S = 3 * 3600
+ROLLOUT = "hf"
+"""the rollout the design was registered with (CPU mode's transformers loop); ``run --rollout`` can name another
+(``auto``, ``vllm``), and every record and the analysis say which one sampled"""
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -101,20 +104,21 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     return steps, vals
 
 
-def train_one(phase: str, method: str, lr: float, seed: int, steps: int) -> dict:
-    """One launch; its record (written by the caller)."""
+def train_one(phase: str, method: str, lr: float, seed: int, steps: int, rollout: str = ROLLOUT) -> dict:
+    """One launch, sampled by ``rollout`` (resolved: hf or vllm); its record (written by the caller)."""
     from verl_oar.real_model.launch import run
 
     work = Path(tempfile.mkdtemp(prefix=f"pilot_{method}_{seed}_"))
     began = time.time()
     try:
         rc, metrics = run(work, steps=steps, adv_estimator=method, extra_overrides=overrides(steps),
-                          timeout_s=TIMEOUT_S, experiment_name=f"pilot_{method}", lr=lr, seed=seed, **SETTINGS)
+                          timeout_s=TIMEOUT_S, experiment_name=f"pilot_{method}", lr=lr, seed=seed, rollout=rollout,
+                          **SETTINGS)
         train, vals = read_metrics(metrics)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # checkpoints and the task; the record keeps the metrics
-    return {"phase": phase, "method": method, "lr": lr, "seed": seed, "steps": steps, "exit_code": rc,
-            "seconds": round(time.time() - began), "train": train, "val": vals}
+    return {"phase": phase, "method": method, "lr": lr, "seed": seed, "steps": steps, "rollout": rollout,
+            "exit_code": rc, "seconds": round(time.time() - began), "train": train, "val": vals}
 
 
 def complete(record: dict) -> bool:
@@ -122,9 +126,17 @@ def complete(record: dict) -> bool:
     return record["exit_code"] == 0 and any(v["step"] == record["steps"] for v in record["val"])
 
 
+def rollout_of(record: dict) -> str:
+    """The engine that sampled a run: its record's ``rollout`` (records written before the field: hf, the only one
+    the pilot ran then)."""
+    return record.get("rollout", ROLLOUT)
+
+
 def cmd_run(args) -> int:
+    from verl_oar.real_model.launch import resolve_rollout
     from verl_oar.testbed.machine import cpu_id, machine_info
 
+    rollout = resolve_rollout(args.rollout)  # vllm without vLLM's CPU build stops here, naming the install command
     RUNS.mkdir(parents=True, exist_ok=True)
     for seed in parse_seeds(args.seeds):
         for method, lr in parse_methods(args.methods, [float(x) for x in args.lrs.split(",")] if args.lrs else None):
@@ -134,13 +146,14 @@ def cmd_run(args) -> int:
                 continue
             attempts = []
             for _ in range(2):  # one retry for a launch that ends without its final validation
-                print(f"[pilot {time.strftime('%H:%M:%S')}] {args.phase} {method} lr={lr:g} seed={seed}", flush=True)
-                record = train_one(args.phase, method, lr, seed, args.steps)
+                print(f"[pilot {time.strftime('%H:%M:%S')}] {args.phase} {method} lr={lr:g} seed={seed} "
+                      f"({rollout} rollout)", flush=True)
+                record = train_one(args.phase, method, lr, seed, args.steps, rollout)
                 attempts.append({"exit_code": record["exit_code"], "seconds": record["seconds"]})
                 if complete(record):
                     break
             record.update(attempts=attempts, machine={**machine_info(), "cpu_id": cpu_id()},
-                          settings={**SETTINGS, "val_samples": VAL_SAMPLES})
+                          settings={**SETTINGS, "val_samples": VAL_SAMPLES, "rollout": rollout})
             path.write_text(json.dumps(record, indent=1) + "\n")
             print(f"[pilot] {path.name}: exit {record['exit_code']}, {record['seconds']} s, held-out "
                   f"{[round(v['accuracy'], 3) for v in record['val']]}", flush=True)
@@ -216,12 +229,20 @@ def analyse(runs: list[dict]) -> dict:
 
 def cmd_collect(args) -> int:
     tuning, evaluation = read_runs("tuning"), read_runs("eval")
+    engines = sorted({rollout_of(r) for r in evaluation})
+    if len(engines) > 1:
+        raise SystemExit(f"real_model_pilot: the evaluation runs were sampled by different rollouts "
+                         f"({', '.join(engines)}); the paired analysis compares runs of one engine")
+
+    def row(r: dict) -> dict:
+        return {k: r[k] for k in ("method", "lr", "seed", "exit_code", "seconds")} | {"rollout": rollout_of(r)}
+
     result = {"command": "python benchmarks/real_model_pilot.py collect", "steps": STEPS,
               "settings": {**SETTINGS, "val_samples": VAL_SAMPLES, "threshold": THRESHOLD, "window": WINDOW},
-              "tuning": {"runs": [{k: r[k] for k in ("method", "lr", "seed", "exit_code", "seconds")} | endpoints(r)
-                                  for r in tuning], "plan": plan(tuning)},
-              "eval": {"runs": [{k: r[k] for k in ("method", "lr", "seed", "exit_code", "seconds")} | endpoints(r)
-                                for r in evaluation], "analysis": analyse(evaluation) if evaluation else None},
+              "rollout": sorted({rollout_of(r) for r in tuning + evaluation}),
+              "tuning": {"runs": [row(r) | endpoints(r) for r in tuning], "plan": plan(tuning)},
+              "eval": {"runs": [row(r) | endpoints(r) for r in evaluation],
+                       "analysis": analyse(evaluation) if evaluation else None},
               "machine": (evaluation or tuning or [{}])[0].get("machine")}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["eval"]["analysis"] or result["tuning"]["plan"], indent=1))
@@ -229,6 +250,8 @@ def cmd_collect(args) -> int:
 
 
 def main(argv=None) -> int:
+    from verl_oar.real_model.launch import ROLLOUT_CHOICES
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train the (method, lr, seed) cells not yet recorded")
@@ -237,6 +260,9 @@ def main(argv=None) -> int:
     r.add_argument("--lrs", default=None)
     r.add_argument("--seeds", required=True)
     r.add_argument("--steps", type=int, default=STEPS)
+    r.add_argument("--rollout", choices=ROLLOUT_CHOICES, default=ROLLOUT,
+                   help="the engine that samples (default hf, the registered design's; auto: vllm where vLLM's CPU "
+                        "build is installed, else hf)")
     sub.add_parser("plan", help="each method's learning rate from the tuning runs")
     c = sub.add_parser("collect", help="the pre-registered analysis")
     c.add_argument("--out", type=Path, default=OUT)

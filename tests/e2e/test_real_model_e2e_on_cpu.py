@@ -26,7 +26,7 @@ def test_one_oar_g_step_of_smollm2_on_two_ranks_through_main_ppo(tmp_path, share
     from verl_oar.real_model.launch import run
 
     monkeypatch.setenv("VERL_OAR_RANK_DUMP_DIR", str(tmp_path / "ranks"))
-    rc, metrics = run(tmp_path, steps=1, adv_estimator="oar_g", timeout_s=1500, ranks=2,
+    rc, metrics = run(tmp_path, steps=1, adv_estimator="oar_g", timeout_s=1500, ranks=2, rollout="hf",  # (not auto)
                       extra_overrides=["data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
                                        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                                        # 4 rows per rank: one micro-batch of each pass (real_model_overrides' 4)

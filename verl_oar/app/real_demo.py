@@ -2,14 +2,15 @@
 counterfactual test on a handful of its own responses, their heatmaps, and one HTML report.
 
     python -m verl_oar.app.real_demo [--out oar_real_demo] [--steps 2] [--methods grpo,oar_g] [--responses 16]
-        [--scored 4]
+        [--scored 4] [--rollout auto|hf|vllm]
 
 In order, each stage printed with a progress bar:
 
 1. the model, prepared once and cached (``verl-oar prepare-model smollm2``);
 2. ``--steps`` steps of each method through ``python -m verl.trainer.main_ppo`` on the ``sum1`` task
-   (``real_model.launch``: 4 prompts x 4 responses of up to 128 tokens, AdamW at 1e-6); each step's training reward
-   and seconds;
+   (``real_model.launch``: 4 prompts x 4 responses of up to 128 tokens, AdamW at 1e-6), sampled by the ``--rollout``
+   engine (``auto``: verl's vLLM rollout where vLLM's CPU build is installed, else CPU mode's hf rollout; the summary
+   and the page name the one used); each step's training reward and seconds;
 3. ``--responses`` responses of the untrained model to test problems (``real_model.sampling``: transformers
    ``generate`` at temperature 1), graded by the package's math reward; the first ``--scored`` whose answer training
    would locate are ranked (``real_model.counterfactual``: OAR-G, OAR-P chunk, OAR-P exact, entropy, random) and
@@ -52,16 +53,19 @@ def _read_metrics(path: Path) -> list[dict]:
             for r in rows if "critic/score/mean" in r.get("data", {})]  # training steps (not validation)
 
 
-def train(out: Path, methods: list[str], steps: int) -> dict:
+def train(out: Path, methods: list[str], steps: int, rollout: str) -> dict:
+    """``steps`` steps of each method through main_ppo, sampled by ``rollout`` (resolved: hf or vllm)."""
     from verl_oar.real_model.launch import run
 
     runs = {}
     for i, method in enumerate(methods):
-        _progress("training", f"{method} ({i + 1} of {len(methods)}), {steps} steps through main_ppo")
+        _progress("training",
+                  f"{method} ({i + 1} of {len(methods)}), {steps} steps through main_ppo, {rollout} rollout")
         began = time.time()
-        rc, metrics = run(out / "runs" / method, steps=steps, adv_estimator=method, experiment_name=method)
-        runs[method] = {"exit_code": rc, "seconds": round(time.time() - began), "steps": _read_metrics(metrics),
-                        "log": str(metrics)}
+        rc, metrics = run(out / "runs" / method, steps=steps, adv_estimator=method, experiment_name=method,
+                          rollout=rollout)
+        runs[method] = {"exit_code": rc, "rollout": rollout, "seconds": round(time.time() - began),
+                        "steps": _read_metrics(metrics), "log": str(metrics)}
         if rc != 0:
             raise SystemExit(f"verl-oar real demo: {method} failed (exit {rc}); its metric file: {metrics}")
     return runs
@@ -135,7 +139,8 @@ def render(summary: dict) -> str:
     """index.html from ``summary.json`` alone."""
     e = html.escape
     parts = [f"<h1>verl-oar on a real model: {e(summary['model'])}</h1>",
-             f"<p>{e(summary['command'])}<br>{e(json.dumps(summary['machine']))}</p>", "<h2>Training (main_ppo)</h2>"]
+             f"<p>{e(summary['command'])}<br>{e(json.dumps(summary['machine']))}</p>",
+             f"<h2>Training (main_ppo, {e(summary['rollout'])} rollout)</h2>"]
     for method, run in summary["training"].items():
         parts.append(f"<h3>{e(method)}: {run['seconds']} s</h3><table border=1><tr><th>step</th><th>reward</th>"
                      "<th>response tokens</th><th>seconds</th></tr>")
@@ -160,6 +165,8 @@ def render(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_oar.real_model.launch import ROLLOUT_CHOICES, resolve_rollout
+
     p = argparse.ArgumentParser(prog="python -m verl_oar.app.real_demo", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("oar_real_demo"), help="report folder")
@@ -167,9 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="grpo,oar_g", help="estimators trained, comma-separated")
     p.add_argument("--responses", type=int, default=16, help="responses sampled for the counterfactual test")
     p.add_argument("--scored", type=int, default=4, help="responses ranked and edited (of those with an answer)")
+    p.add_argument("--rollout", choices=ROLLOUT_CHOICES, default="auto",
+                   help="training's rollout: auto (verl's vLLM rollout where vLLM's CPU build is installed, else hf), "
+                        "hf (CPU mode's transformers rollout) or vllm")
     args = p.parse_args(argv)
     from verl_oar.testbed.machine import machine_info
     from verl_oar.tools.prepare_model import prepare
+
+    rollout = resolve_rollout(args.rollout)  # vllm without vLLM's CPU build stops here, naming the install command
 
     began = time.time()
     out = args.out.resolve()
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     _progress("model", "prepare-model smollm2 (cached after the first time)")
     folder = Path(prepare("smollm2"))
     methods = [m for m in args.methods.split(",") if m]
-    runs = train(out, methods, args.steps) if args.steps > 0 else {}
+    runs = train(out, methods, args.steps, rollout) if args.steps > 0 else {}
     rows, model, tokenizer = sample(out, folder, args.responses)
     ranked = counterfactual(rows, model, tokenizer, args.scored)
     made = heatmaps(out, folder, rows, ranked)
@@ -188,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {"model": "SmolLM2-135M-Instruct (Q4_1 dequantized, fp32)",
                "command": "python -m verl_oar.app.real_demo " + " ".join(sys.argv[1:] if argv is None else argv),
-               "machine": machine_info(), "training": runs,
+               "machine": machine_info(), "rollout": rollout, "training": runs,
                "sampling": {"responses": len(rows), "right": sum(r["score"] == 1.0 for r in rows), "sampler": SAMPLER},
                "counterfactual": ranked, "heatmaps": made, "seconds": round(time.time() - began)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

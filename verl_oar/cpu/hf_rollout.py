@@ -205,7 +205,8 @@ class HFServer:
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         print(
             f"[verl-oar hf rollout] replica {replica_rank}: {type(self.model).__name__} from "
-            f"{self.model_config.local_path} ({self.config.dtype}), eos {self.eos_token_ids}",
+            f"{self.model_config.local_path} ({self.config.dtype}), eos {self.eos_token_ids}, "
+            f"torch threads {torch.get_num_threads()}",
             flush=True,
         )
 

