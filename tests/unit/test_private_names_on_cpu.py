@@ -58,7 +58,8 @@ UNROUTED = {
     ("cpu/hf_rollout.py", "_server_address"): "as _server_handle",
     ("cpu/vllm_rollout.py", "_get_worker_extension_cls"): "vLLMHttpServer's hook method, listed by verl under 'Hook "
         "methods for subclass overrides'; CPU mode's vLLM server overrides it (cpu/ may not import integration/; its "
-        "target is checked by verl_patches.VLLM_TARGETS when the vllm replica loads)",
+        "target is checked by verl_patches.VLLM_TARGETS when the vllm replica loads), only without the vllm-cpu PR "
+        "(CPUvLLMSyncHttpServer; patches_applied() reports it; the e2e test of the series asserts it is not applied)",
     ("cpu/vllm_rollout.py", "_iter_all_models_with_config"): "vLLMColocateWorkerExtension's helper naming the models "
         "verl's own post-load step runs on; called, not replaced (checked as _get_worker_extension_cls)",
     ("cpu/vllm_rollout.py", "_update_weights"): "vLLMColocateWorkerExtension's per-bucket load; CPU mode's extension "

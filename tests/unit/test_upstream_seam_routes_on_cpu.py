@@ -34,6 +34,7 @@ def _trainer(dp_size: int):
 
 def route_report(seed: int = 0, dp_size: int = 4) -> dict:
     """What the plugin does on the imported verl (JSON-serialisable): ``seams`` (``upstream_hook.seams()``),
+    ``cpu_fixes`` (the CPU-mode patches skipped for verl's own fix, ``verl_patches.upstream_fixes()``),
     ``hf_replica_uses_setters``, ``balance_logged`` (the compat log entries one balancing call added),
     ``balance_as_verl`` (its order is verl's ``_balance_batch`` order) and ``balance_reordered`` (that order is
     not the input's: the check is not vacuous). 16 rows of random lengths in [8, 512] over ``dp_size`` ranks."""
@@ -41,6 +42,7 @@ def route_report(seed: int = 0, dp_size: int = 4) -> dict:
     from verl.utils.transferqueue_utils import KVBatchMeta
 
     from verl_oar.cpu import hf_rollout
+    from verl_oar.cpu.verl_patches import upstream_fixes
     from verl_oar.integration import compat, privileged_signal, upstream_hook
 
     rng = random.Random(seed)
@@ -54,7 +56,8 @@ def route_report(seed: int = 0, dp_size: int = 4) -> dict:
     got = privileged_signal.balance(_trainer(dp_size), batch())
     logged = compat.ACCESS_LOG[before:]
     want = PPOTrainer._balance_batch(_trainer(dp_size), batch(), {})
-    return {"seams": upstream_hook.seams(), "hf_replica_uses_setters": hf_rollout.replica_setters_available(),
+    return {"seams": upstream_hook.seams(), "cpu_fixes": sorted(k for k, v in upstream_fixes().items() if v),
+            "hf_replica_uses_setters": hf_rollout.replica_setters_available(),
             "balance_logged": logged, "balance_as_verl": list(got.keys) == list(want.keys),
             "balance_reordered": list(got.keys) != list(batch().keys)}
 
@@ -73,6 +76,7 @@ def test_on_verl_0_9_1_the_plugin_takes_the_private_routes_and_balances_as_verl(
     assert report["seams"] == dict.fromkeys(report["seams"], False), (
         "the suite's verl is the 0.9.1 release, without the upstream PRs", report["seams"])
     assert set(report["seams"]) >= {"replica_servers", "balance_batch"}
+    assert report["cpu_fixes"] == [], report["cpu_fixes"]
     check_routes(report)
 
 

